@@ -1,0 +1,80 @@
+"""FP8 (e4m3) weights with per-output-channel scales, quantized online from a bf16 checkpoint.
+
+`quant="fp8"`: each bf16 weight is quantized the moment it streams in (its weight_loader does
+it), so the model never holds a layer in both bf16 and fp8. Activations are quantized per token
+at run time. Per-channel scales make fused q/k/v and gate/up trivial: every row keeps its own.
+
+Loader pass (`process_after_loading`) picks the layout for the device's kernel:
+- CUDA: fp8 weights as stored, for the Triton fp8 GEMM (`qrt::fp8_linear_triton`).
+- CPU: the CPU has no fp8 arithmetic, and converting fp8 to bf16 inside each matmul measured far
+  slower than a bf16 matmul (see README). Every e4m3 value is exactly representable in bf16, so
+  the weights are widened once to the model dtype: the numerics stay those of fp8, the matmul runs
+  at bf16 speed. This layout costs bf16 memory; it buys exactness, not speed or size.
+"""
+
+from functools import partial
+
+import torch
+
+import kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
+
+from .errors import TensorMismatch
+from .parameters import make_parameter, replace_parameter
+from .shards import ShardLayout, check_shape, copy_rows
+
+
+def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
+    """weight_loader of the fp8 weight: quantize a bf16 shard and write its codes and scales.
+
+    Bound to the layer rather than to its scale Parameter, which is replaced when the model is
+    moved off the meta device."""
+    layout: ShardLayout | None = layer.shard_layout
+    if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected a bf16/fp16/fp32 weight to quantize")
+    rows = param.data if layout is None else layout.rows(param.data, shard_id)
+    check_shape(loaded, rows.shape)
+    codes, scales = quantize_rows_fp8(loaded)  # [n, K] fp8, [n, 1] fp32
+    rows.copy_(codes)
+    scales_param = layer.weight_scale.data
+    scale_rows = scales_param if layout is None else layout.rows(scales_param, shard_id)
+    scale_rows.copy_(scales.squeeze(1))
+
+
+class Fp8OnlineLinearMethod:
+    name = "fp8"
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k = layer.output_size, layer.input_size
+        layout = layer.shard_layout
+        # Filled by the weight's loader, never read from the checkpoint: no weight_loader.
+        layer.weight_scale = make_parameter(
+            torch.empty(n, dtype=torch.float32),  # [N] fp32, one scale per output channel
+            output_dim=0, quant_format=self.name,
+        )
+        layer.weight = make_parameter(
+            torch.empty(n, k, dtype=FP8_DTYPE),  # [N, K] e4m3
+            weight_loader=partial(_quantize_into, layer=layer),
+            input_dim=1, output_dim=0, quant_format=self.name,
+        )
+        if layer.has_bias:
+            layer.bias = make_parameter(
+                torch.empty(n, dtype=dtype),  # [N], kept in the model dtype
+                weight_loader=partial(copy_rows, layout=layout), output_dim=0, quant_format=self.name,
+            )
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qrt.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+
+    def process_after_loading(self, layer, device: torch.device) -> None:
+        if device.type == "cuda":
+            layer.weight.storage_layout = "fp8_e4m3 [N, K]"
+            layer.weight.kernel = "qrt.fp8_linear_triton"
+            return
+        # Widen to the activation dtype; exact because e4m3 is a subset of bf16/fp16/fp32.
+        dtype = layer.params_dtype
+        replace_parameter(
+            layer, "weight", layer.weight.data.to(dtype),  # [N, K] model dtype, fp8 values
+            storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] holding exact fp8 values",
+            kernel="qrt.fp8_linear_cpu",
+        )

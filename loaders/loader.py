@@ -1,0 +1,130 @@
+"""Build a model on the meta device, stream a checkpoint into it, then run the loader pass."""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .config import DeviceConfig, LoadConfig, parse_dtype
+from .errors import CheckpointError, TensorMismatch
+from .parameters import attributes_of, make_parameter
+from .safetensors_files import checkpoint_files, count_tensors, iter_tensors
+
+
+def choose_dtype(device_config: DeviceConfig, hf_config: dict) -> torch.dtype:
+    if device_config.dtype is not None:
+        return device_config.dtype
+    stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return parse_dtype(stored) if isinstance(stored, str) else torch.bfloat16
+
+
+def load_model(model_cls, folder: Path, hf_config: dict, scheme, load_config: LoadConfig,
+               device_config: DeviceConfig) -> nn.Module:
+    """A model of `model_cls` with every weight loaded and repacked for `device_config.device`.
+
+    Nothing half-loaded escapes: any error propagates before the model is returned."""
+    dtype = choose_dtype(device_config, hf_config)
+    with torch.device("meta"):
+        model = model_cls(hf_config, scheme, dtype, source=Path(folder) / "config.json")
+    materialize(model, device_config.device)
+    started = time.perf_counter()
+    if load_config.load_format == "dummy":
+        fill_random(model, load_config.seed)
+    else:
+        stream_checkpoint(model, checkpoint_files(folder), progress=load_config.progress)
+    run_loader_pass(model, device_config.device)
+    if load_config.progress:
+        print(f"qrt: loaded weights in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return model.eval()
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter real (uninitialized) storage, keeping its attributes and ties."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                data = torch.empty(param.shape, dtype=param.dtype, device=device)
+                replaced[id(param)] = make_parameter(data, **attributes_of(param))
+            setattr(module, name, replaced[id(param)])
+
+
+def _checkpoint_to_param_name(model, name: str) -> tuple[str, object]:
+    for fused, shard, shard_id in model.stacked_params:
+        if shard in name:
+            return name.replace(shard, fused), shard_id
+    return name, None
+
+
+def stream_checkpoint(model: nn.Module, files: list[Path], progress: bool) -> None:
+    """Feed each checkpoint tensor to its parameter's weight_loader, then check nothing is missing."""
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {name: set() for name in params}
+    skippable = model.tied_tensor_names()
+    bar = tqdm(total=count_tensors(files), desc="qrt: loading", unit="tensor", disable=not progress,
+               file=sys.stderr, leave=False)
+    with bar:
+        for path, name, tensor in iter_tensors(files):
+            bar.update(1)
+            if name in skippable or name.endswith(model.ignored_tensor_suffixes):
+                continue
+            param_name, shard_id = _checkpoint_to_param_name(model, name)
+            param = params.get(param_name)
+            if param is None or getattr(param, "weight_loader", None) is None:
+                raise CheckpointError(path, name, f"unexpected tensor: {type(model).__name__} has no "
+                                      f"parameter it loads into (looked for '{param_name}')")
+            if shard_id in loaded[param_name]:
+                raise CheckpointError(path, name, "appears more than once in the checkpoint")
+            try:
+                param.weight_loader(param, tensor, shard_id)
+            except TensorMismatch as err:
+                raise CheckpointError(path, name, f"{err} (loading into '{param_name}')") from None
+            loaded[param_name].add(shard_id)
+    _check_complete(model, params, loaded, files)
+
+
+def _expected_shards(model, param_name: str) -> set:
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    layout = getattr(module, "shard_layout", None)
+    return {None} if layout is None else set(layout.shard_ids)
+
+
+def _check_complete(model, params: dict, loaded: dict, files: list[Path]) -> None:
+    missing = []
+    for name, param in params.items():
+        if getattr(param, "weight_loader", None) is None:
+            continue  # derived while loading (e.g. online fp8 scales)
+        for shard_id in sorted(_expected_shards(model, name) - loaded[name], key=str):
+            missing.append(name if shard_id is None else f"{name} (shard {shard_id!r})")
+    if missing:
+        where = files[0].parent
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(where, None, f"missing tensor(s) for {shown}")
+
+
+def fill_random(model: nn.Module, seed: int) -> None:
+    """load_format="dummy": random weights of the right shapes, fed through the weight loaders
+    so quantized layers quantize them exactly as they would a checkpoint."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            continue
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+        else:
+            values = 0.02 * torch.randn(param.shape, generator=generator)
+        loader(param, values.to(param.device), None)
+
+
+def run_loader_pass(model: nn.Module, device: torch.device) -> None:
+    """Repack every quantized layer once into the layout its kernel wants."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_after_loading(module, device)

@@ -1,0 +1,33 @@
+"""Linear layers stored as plain bf16/fp16/fp32 weights: the format with no quantization."""
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .parameters import make_parameter
+from .shards import copy_rows
+
+
+class UnquantizedLinearMethod:
+    name = "bf16"  # shown by inspect; the actual dtype is the model's
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k = layer.output_size, layer.input_size
+        loader = partial(copy_rows, layout=layer.shard_layout)
+        layer.weight = make_parameter(
+            torch.empty(n, k, dtype=dtype),  # [N, K]
+            weight_loader=loader, input_dim=1, output_dim=0, quant_format=self.name,
+        )
+        if layer.has_bias:
+            layer.bias = make_parameter(
+                torch.empty(n, dtype=dtype),  # [N]
+                weight_loader=loader, output_dim=0, quant_format=self.name,
+            )
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def process_after_loading(self, layer, device: torch.device) -> None:
+        layer.weight.storage_layout = f"{layer.weight.dtype} [N, K]".replace("torch.", "")
+        layer.weight.kernel = "aten.linear"

@@ -1,0 +1,33 @@
+"""qrt's torch.compile backend: Dynamo graph -> qrt passes -> Inductor."""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+from .manager import GraphReport, run_passes
+
+
+@dataclass
+class CompileLog:
+    """One per compiled function: a report per graph Dynamo hands over. A function compiled
+    with zero graph breaks and no recompiles has exactly one."""
+
+    label: str
+    graphs: list[GraphReport] = field(default_factory=list)
+
+
+class QrtBackend:
+    """A torch.compile backend; `log.graphs` grows by one each time Dynamo (re)compiles."""
+
+    def __init__(self, label: str, inductor: bool = True):
+        self.log = CompileLog(label)
+        self.inductor = inductor
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        report = GraphReport(f"{self.log.label}#{len(self.log.graphs)}")
+        self.log.graphs.append(report)
+        gm = run_passes(gm, report)
+        if not self.inductor:
+            return gm.forward
+        return compile_fx(gm, example_inputs)

@@ -1,0 +1,43 @@
+"""Runs qrt's passes in order over a Dynamo graph, recording what each did."""
+
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from .base import GraphPass, count_ops
+from .swap_linear import SwapQuantizedLinear
+
+DEFAULT_PASSES: tuple[type[GraphPass], ...] = (SwapQuantizedLinear,)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    uuid: str
+    changed: int
+    code_before: str
+    code_after: str
+    ops_before: dict
+    ops_after: dict
+
+
+@dataclass
+class GraphReport:
+    """Everything qrt did to one compiled graph; the dump CLI writes it out."""
+
+    label: str
+    passes: list[PassRecord] = field(default_factory=list)
+    kernel_choices: list = field(default_factory=list)
+
+
+def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PASSES, keep_code=True):
+    for pass_cls in passes:
+        graph_pass = pass_cls()
+        before_code = gm.code if keep_code else ""
+        before_ops = count_ops(gm)
+        changed = graph_pass.run(gm, report)
+        report.passes.append(
+            PassRecord(graph_pass.name, graph_pass.uuid, changed, before_code,
+                       gm.code if keep_code else "", before_ops, count_ops(gm))
+        )
+    return gm

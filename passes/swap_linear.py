@@ -1,0 +1,72 @@
+"""Swap each logical quantized-linear op for the kernel op of its device and weight layout."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .base import GraphPass, target_name
+
+# logical op name -> {(device type, weight dtype kind): (kernel op name, why)}
+KERNEL_TABLE = {
+    "qrt.fp8_linear": {
+        ("cuda", "fp8"): ("qrt.fp8_linear_triton", "fp8 weights on a GPU: Triton fp8 GEMM, fused per-token x per-channel scaling"),
+        ("cpu", "float"): ("qrt.fp8_linear_cpu", "CPU: no fp8 arithmetic; loader pass widened weights to exact bf16 values, Inductor fuses activation quantization around one GEMM"),
+    },
+}
+
+
+@dataclass
+class KernelChoice:
+    node: str  # FX node name, which encodes the layer path
+    logical_op: str
+    kernel: str
+    reason: str
+    weight_shape: tuple
+    weight_dtype: str
+    device: str
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    return "fp8" if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else "float"
+
+
+def _example(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _resolve_op(name: str):
+    namespace, op = name.split(".")
+    return getattr(getattr(torch.ops, namespace), op)
+
+
+class SwapQuantizedLinear(GraphPass):
+    name = "swap_quantized_linear"
+
+    def run(self, gm: torch.fx.GraphModule, report) -> int:
+        changed = 0
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            logical = target_name(node.target)
+            table = KERNEL_TABLE.get(logical)
+            if table is None:
+                continue
+            x, weight = _example(node.args[0]), _example(node.args[1])
+            if x is None or weight is None:
+                report.kernel_choices.append(KernelChoice(node.name, logical, logical, "no shape metadata; kept reference", (), "?", "?"))
+                continue
+            key = (x.device.type, _dtype_kind(weight.dtype))
+            kernel, reason = table.get(key, (logical, f"no kernel for {key}; kept the reference op"))
+            if kernel != logical:
+                node.target = _resolve_op(kernel)
+                changed += 1
+            report.kernel_choices.append(
+                KernelChoice(node.name, logical, kernel, reason, tuple(weight.shape),
+                             str(weight.dtype).removeprefix("torch."), x.device.type)
+            )
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
+        return changed

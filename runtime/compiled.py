@@ -1,0 +1,216 @@
+"""`compile_model` and the CompiledModel it returns: forward and generate over compiled graphs."""
+
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from loaders.config import DeviceConfig, LoadConfig, read_hf_config
+from loaders.loader import load_model
+from loaders.quant import resolve_scheme
+from passes.backend import QrtBackend
+
+from .registry import ModelRegistry
+from .sampling import SamplingParams, sample
+from .tokenizer import eos_token_ids, load_tokenizer
+
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def compile_model(
+    path=None,
+    quant: str | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    max_seq_len: int | None = None,
+    max_batch_size: int = 1,
+    load_config: LoadConfig | None = None,
+    device_config: DeviceConfig | None = None,
+    compile: bool = True,
+    warmup: bool = True,
+    progress: bool = True,
+) -> "CompiledModel":
+    """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
+
+    path: a checkpoint folder (config.json + safetensors [+ tokenizer]); None: the default model.
+    quant: None to run weights as stored, or an online format ("fp8") for a bf16/fp16 checkpoint.
+    compile=False runs eagerly with the reference ops (the numerical oracle).
+    warmup compiles prefill and decode now (and says how long it took) instead of on first use.
+    """
+    if path is None:
+        from .default_model import default_model_path
+
+        path = default_model_path(progress=progress)
+    folder = Path(path)
+    load_config = load_config or LoadConfig(progress=progress)
+    device_config = device_config or DeviceConfig(device=device, dtype=dtype)
+    hf_config = read_hf_config(folder)
+    config_path = folder / "config.json"
+    model_cls = ModelRegistry.resolve(hf_config, source=config_path)
+    scheme = resolve_scheme(hf_config, quant, config_path)
+    model = load_model(model_cls, folder, hf_config, scheme, load_config, device_config)
+    limit = model.config.max_position_embeddings
+    max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
+    model.allocate_caches(max_batch_size, max_seq_len)
+    tokenizer = load_tokenizer(folder)
+    compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(folder, hf_config, tokenizer),
+                             compile=compile, progress=progress, source=folder)
+    if compile and warmup:
+        compiled.warmup()
+    return compiled
+
+
+def _prefill(model, input_ids, input_pos):
+    return model(input_ids, input_pos, last_only=True)
+
+
+def _decode(model, input_ids, input_pos):
+    return model(input_ids, input_pos, last_only=True)
+
+
+def _forward(model, input_ids):
+    return model(input_ids)
+
+
+def _own_copy(fn, name: str):
+    """A copy of `fn` with its own code object. Dynamo keeps its compiled-graph cache on the code
+    object, so each CompiledModel gets a cache of its own: a second model is then neither a
+    recompile of the first nor pushes it out of the cache."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name)
+
+
+class CompiledModel:
+    """A loaded model with compiled prefill, decode and full-sequence forward graphs."""
+
+    def __init__(self, model, tokenizer, scheme, eos_ids: set[int], *, compile: bool, progress: bool, source):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheme = scheme
+        self.eos_ids = eos_ids
+        self.source = Path(source)
+        self.progress = progress
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = model.max_seq_len
+        self.backends = {role: QrtBackend(role) for role in ("prefill", "decode", "forward")}
+        self.compile_seconds: dict[str, float] = {}
+        fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
+        if compile:
+            # Prompts vary in length; one graph serves them all. Decode is always one token.
+            self._fns = {
+                role: torch.compile(_own_copy(fn, f"qrt_{role}"), backend=self.backends[role],
+                                    fullgraph=True, dynamic=(role == "prefill") or None)
+                for role, fn in fns.items()
+            }
+        else:
+            self._fns = fns
+
+    # ---- forward -------------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: LongTensor [B, T] -> float32 logits [B, T, vocab]. No KV cache involved."""
+        input_ids = self._check_ids(input_ids, allow_batch=True)
+        if input_ids.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
+        with torch.no_grad():
+            return self._fns["forward"](self.model, input_ids)
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 chat: bool = False, stop_at_eos: bool = True, stream=None):
+        """str in -> str out (the new text); token ids (list or 1-D tensor) in -> new ids out.
+
+        chat=True wraps a str prompt in the tokenizer's chat template as one user turn.
+        stream: optional callable receiving each new token id as it is produced.
+        """
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        text_in = isinstance(prompt, str)
+        ids = self._encode(prompt, chat) if text_in else prompt
+        ids = self._check_ids(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), allow_batch=False)
+        if ids.shape[1] + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV "
+                f"cache of {self.max_seq_len} tokens; shorten the prompt, lower max_new_tokens, or "
+                f"pass a larger max_seq_len to compile_model"
+            )
+        new_ids = self._generate_ids(ids, max_new_tokens, params, stop_at_eos, stream)
+        if text_in:
+            return self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        return new_ids
+
+    def _generate_ids(self, ids, max_new_tokens, params, stop_at_eos, stream) -> list[int]:
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        seq = ids.shape[1]
+        new_ids: list[int] = []
+        with torch.no_grad():
+            logits = self._prefill(ids)
+            for step in range(max_new_tokens):
+                token = sample(logits[:, -1], params, generator)  # [1]
+                token_id = int(token)
+                new_ids.append(token_id)
+                if stream is not None:
+                    stream(token_id)
+                if (stop_at_eos and token_id in self.eos_ids) or step == max_new_tokens - 1:
+                    break
+                position = torch.tensor([seq + step], dtype=torch.long)
+                logits = self._fns["decode"](self.model, token.view(1, 1), position)
+        return new_ids
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        seq = ids.shape[1]
+        positions = torch.arange(seq, dtype=torch.long)
+        if seq == 1:  # a one-token prompt is a decode step; the prefill graph needs T >= 2
+            return self._fns["decode"](self.model, ids, positions)
+        return self._fns["prefill"](self.model, ids, positions)
+
+    def warmup(self) -> None:
+        """Compile prefill and decode now, printing how long each took."""
+        for role, length in (("prefill", 2), ("decode", 1)):
+            started = time.perf_counter()
+            if self.progress:
+                print(f"qrt: compiling {role} …", file=sys.stderr, flush=True)
+            ids = torch.zeros(1, length, dtype=torch.long)
+            with torch.no_grad():
+                self._fns[role](self.model, ids, torch.arange(length))
+            self.compile_seconds[role] = time.perf_counter() - started
+            if self.progress:
+                print(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s", file=sys.stderr)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _encode(self, text: str, chat: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.source} has no usable tokenizer (tokenizer.json / tokenizer_config.json), "
+                f"so text prompts cannot be encoded; pass token ids instead"
+            )
+        if not text:
+            raise ValueError("the prompt is empty; give at least one token of text")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"{self.source}: the tokenizer has no chat template; call without chat=True")
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text)
+
+    def _check_ids(self, ids: torch.Tensor, allow_batch: bool) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError("input_ids must be an integer tensor of token ids")
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with at least one token, got shape {list(ids.shape)}")
+        if not allow_batch and ids.shape[0] != 1:
+            raise ValueError("generate takes one prompt at a time")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got values from {low} to {high}")
+        return ids.long()
+
+    def compile_report(self) -> dict:
+        """Per role: how many graphs Dynamo produced (1 = no graph breaks, no recompiles)."""
+        return {role: len(backend.log.graphs) for role, backend in self.backends.items()}

@@ -1,0 +1,25 @@
+"""Hugging Face `architectures` name -> qrt model class."""
+
+from loaders.errors import ConfigError, UnsupportedError
+
+from .models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+
+class ModelRegistry:
+    _models = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM)}
+
+    @classmethod
+    def supported(cls) -> list[str]:
+        return sorted(cls._models)
+
+    @classmethod
+    def resolve(cls, hf_config: dict, source="config.json"):
+        archs = hf_config.get("architectures")
+        if not archs or not isinstance(archs, list):
+            raise ConfigError(f"{source}: no 'architectures' list; cannot tell which model this is")
+        for arch in archs:
+            if arch in cls._models:
+                return cls._models[arch]
+        raise UnsupportedError(
+            f"{source}: architecture {archs} is not supported; supported: {', '.join(cls.supported())}"
+        )

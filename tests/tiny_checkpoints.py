@@ -1,0 +1,43 @@
+"""Tiny random Hugging Face checkpoints, made with transformers' own classes and saved as
+safetensors, so qrt is checked against the real file layout and the real reference model."""
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def make_checkpoint(folder: Path, arch: str = "llama", *, dtype=torch.float32, seed: int = 0,
+                    tie: bool = False, **overrides):
+    """Write a tiny random `arch` ("llama" | "qwen2") checkpoint into `folder`; return the HF model."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(**{**TINY, "tie_word_embeddings": tie, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    # transformers initialises norms to 1 and biases to 0; random values catch a missed load.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
