@@ -1,0 +1,48 @@
+"""Write what compilation did as a navigable folder: index.md, each graph before and after each
+pass, the kernel chosen for every linear layer and why, graph-break and recompile reports."""
+
+from pathlib import Path
+
+
+def write_dump(out: Path, logs, explain: dict, recompile_check: str, header: list[str]) -> Path:
+    """logs: CompileLog per compiled function; explain: role -> torch._dynamo.explain output."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    index = ["# qrt compile dump", "", *header, ""]
+    index += ["## Graphs", "", "| function | graph | pass | nodes changed | before | after |", "|---|---|---|---|---|---|"]
+    for log in logs:
+        for number, report in enumerate(log.graphs):
+            for step, record in enumerate(report.passes):
+                stem = f"{log.label}.graph{number}.{step:02d}.{record.name}"
+                (out / f"{stem}.before.py").write_text(record.code_before)
+                (out / f"{stem}.after.py").write_text(record.code_after)
+                index.append(
+                    f"| {log.label} | {number} | {record.name} (uuid {record.uuid}) | {record.changed} "
+                    f"| [{stem}.before.py]({stem}.before.py) | [{stem}.after.py]({stem}.after.py) |"
+                )
+    index += ["", "## Kernel per linear layer", "", "[kernels.md](kernels.md)", ""]
+    (out / "kernels.md").write_text(_kernel_table(logs))
+    index += ["## Graph breaks", ""]
+    breaks = []
+    for role, result in explain.items():
+        index.append(f"- {role}: {result.graph_count} graph(s), {result.graph_break_count} break(s)")
+        for reason in result.break_reasons:
+            breaks.append(f"{role}: {reason.reason}\n" + "".join(str(frame) for frame in reason.user_stack))
+    (out / "graph_breaks.txt").write_text("\n\n".join(breaks) or "no graph breaks\n")
+    index += ["", "Details: [graph_breaks.txt](graph_breaks.txt)", "", "## Recompiles", "", recompile_check, ""]
+    (out / "index.md").write_text("\n".join(index))
+    return out / "index.md"
+
+
+def _kernel_table(logs) -> str:
+    rows = ["# Kernel chosen for each quantized linear", "",
+            "| function | node | logical op | kernel | weight | device | why |", "|---|---|---|---|---|---|---|"]
+    for log in logs:
+        for report in log.graphs:
+            for choice in report.kernel_choices:
+                weight = f"{list(choice.weight_shape)} {choice.weight_dtype}"
+                rows.append(f"| {log.label} | `{choice.node}` | {choice.logical_op} | {choice.kernel} "
+                            f"| {weight} | {choice.device} | {choice.reason} |")
+    if len(rows) == 4:
+        rows.append("| | | | (no quantized linear layers: nothing to swap) | | | |")
+    return "\n".join(rows) + "\n"

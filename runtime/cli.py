@@ -1,0 +1,170 @@
+"""`python -m runtime` / `qrt`: generate, inspect, dump."""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loaders.errors import QrtError
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return args.handler(args)
+    except QrtError as err:
+        print(f"qrt: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"qrt: invalid input: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qrt", description="torch.compile-first runtime for quantized LLM checkpoints")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_model_args(sub):
+        sub.add_argument("path", nargs="?", default=None,
+                         help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+        sub.add_argument("--quant", default=None, help="online quantization for a bf16 checkpoint: fp8 (default: as stored)")
+        sub.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
+        sub.add_argument("--device", default="cpu")
+
+    gen = commands.add_parser("generate", help="generate text from a prompt")
+    add_model_args(gen)
+    gen.add_argument("--prompt", default=DEMO_PROMPT)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
+    gen.set_defaults(handler=_generate)
+
+    ins = commands.add_parser("inspect", help="show the checkpoint's format, layers and tensors")
+    add_model_args(ins)
+    ins.add_argument("--tensors", type=int, default=20, help="how many checkpoint tensors to list (-1: all)")
+    ins.set_defaults(handler=_inspect)
+
+    dump = commands.add_parser("dump", help="write graphs before/after each pass, kernel choices, break reports")
+    add_model_args(dump)
+    dump.add_argument("--out", default="dump", help="output folder (default: ./dump)")
+    dump.add_argument("--decode-steps", type=int, default=8, help="decode steps checked for recompiles")
+    dump.set_defaults(handler=_dump)
+    return parser
+
+
+def _compile(args, **kwargs):
+    import runtime
+
+    return runtime.compile_model(args.path, quant=args.quant, device=args.device, dtype=args.dtype, **kwargs)
+
+
+def _generate(args) -> int:
+    model = _compile(args, compile=not args.eager)
+    chat = not args.no_chat and model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
+    print(f"> {args.prompt}", file=sys.stderr)
+    started = time.perf_counter()
+    tokens = []
+
+    def stream(token_id):
+        tokens.append(token_id)
+
+    text = model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, chat=chat, stream=stream)
+    elapsed = time.perf_counter() - started
+    print(text)
+    print(f"qrt: {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / elapsed:.1f} tok/s incl. prefill)", file=sys.stderr)
+    return 0
+
+
+def _inspect(args) -> int:
+    from loaders.config import read_hf_config
+    from loaders.safetensors_files import checkpoint_files, iter_tensors
+    from loaders.quant import resolve_scheme
+    from .registry import ModelRegistry
+
+    folder = _resolve_path(args.path)
+    hf_config = read_hf_config(folder)
+    print(f"checkpoint:    {folder}")
+    print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
+    stored = hf_config.get("quantization_config")
+    print(f"stored format: {stored.get('quant_method') if isinstance(stored, dict) else 'none (unquantized)'}")
+    files = checkpoint_files(folder)
+    _print_tensors(files, iter_tensors, args.tensors)
+    ModelRegistry.resolve(hf_config, source=folder / "config.json")
+    scheme = resolve_scheme(hf_config, args.quant, folder / "config.json")
+    print(f"quantization:  {scheme.describe()}")
+    model = _compile(args, compile=False, progress=False).model
+    print(f"\nlinear layers on {args.device} after the loader pass:")
+    print(f"  {'layer':<40} {'format':<6} {'storage layout':<44} kernel")
+    for name, module in model.named_modules():
+        if hasattr(module, "quant_method"):
+            weight = module.weight
+            print(f"  {name:<40} {module.quant_method.name:<6} {getattr(weight, 'storage_layout', '?'):<44} "
+                  f"{getattr(weight, 'kernel', '?')}")
+    return 0
+
+
+def _print_tensors(files, iter_tensors, limit: int) -> None:
+    from safetensors import safe_open
+
+    total = 0
+    print(f"weight files:  {', '.join(f.name for f in files)}")
+    print("tensors:")
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                if limit < 0 or total < limit:
+                    piece = handle.get_slice(name)
+                    print(f"  {name:<56} {piece.get_dtype():<8} {piece.get_shape()}")
+                total += 1
+    if 0 <= limit < total:
+        print(f"  … {total - limit} more (--tensors -1 lists all)")
+
+
+def _resolve_path(path):
+    if path is not None:
+        return Path(path)
+    from .default_model import default_model_path
+
+    return default_model_path()
+
+
+def _dump(args) -> int:
+    from passes.dump import write_dump
+
+    model = _compile(args, warmup=False)
+    ids = torch.randint(0, model.vocab_size, (1, 8))
+    explain = {}
+    with torch.no_grad():
+        for role, length in (("prefill", 8), ("decode", 1)):
+            explain[role] = torch._dynamo.explain(model.model)(ids[:, :length], torch.arange(length), last_only=True)
+        model.generate(ids[0].tolist(), max_new_tokens=2, stop_at_eos=False)
+        model(ids)
+        recompile_check = _check_no_recompiles(model, args.decode_steps)
+    header = [f"- checkpoint: `{model.source}`", f"- quantization: {model.scheme.describe()}",
+              f"- device: {args.device}", f"- graphs compiled: {model.compile_report()}"]
+    index = write_dump(Path(args.out), [b.log for b in model.backends.values()], explain, recompile_check, header)
+    print(f"qrt: wrote {index}")
+    return 0
+
+
+def _check_no_recompiles(model, steps: int) -> str:
+    """Run `steps` decode steps with recompiles forbidden; say what happened."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            model.generate([1, 2, 3], max_new_tokens=steps, stop_at_eos=False)
+    except Exception as err:  # the stance raises a plain RuntimeError naming the guard that failed
+        return f"FAILED: decode recompiled within {steps} steps: {err}"
+    return f"ok: {steps} decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles"
