@@ -95,7 +95,8 @@ class CompiledModel:
         self.progress = progress
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.max_seq_len
-        self.backends = {role: QrtBackend(role) for role in ("prefill", "decode", "forward")}
+        freeze = next(model.parameters()).device.type == "cpu"
+        self.backends = {role: QrtBackend(role, freeze=freeze) for role in ("prefill", "decode", "forward")}
         self.compile_seconds: dict[str, float] = {}
         fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
         if compile:
