@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny checkpoints and compiled models, made once per session because
+compiling dominates the suite's time on two cores."""
+
+import os
+
+# Triton kernels run on the CPU only in interpreter mode, which must be chosen before import.
+import torch  # noqa: E402  (importing torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+import runtime
+from tiny_checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_checkpoint(folder, "llama")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    make_checkpoint(folder, "qwen2", seed=1)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tied_llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-tied")
+    make_checkpoint(folder, "llama", seed=2, tie=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' model for a checkpoint folder, cached per folder."""
+    import transformers
+
+    cache = {}
+
+    def load(folder):
+        if folder not in cache:
+            cache[folder] = transformers.AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=torch.float32).eval()
+        return cache[folder]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """compile_model(folder, quant) cached per (folder, quant): each compile costs seconds."""
+    cache = {}
+
+    def get(folder, quant=None):
+        key = (str(folder), quant)
+        if key not in cache:
+            cache[key] = runtime.compile_model(folder, quant=quant, progress=False, max_seq_len=128)
+        return cache[key]
+
+    return get

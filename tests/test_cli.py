@@ -1,0 +1,45 @@
+"""The command line: inspect, dump and generate on a tiny checkpoint."""
+
+from runtime.cli import main
+
+
+def test_inspect_shows_format_layers_and_tensors(llama_dir, capsys):
+    assert main(["inspect", str(llama_dir), "--quant", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out and "stored format: none" in out
+    assert "model.layers.0.self_attn.q_proj.weight" in out and "F32" in out
+    assert "model.layers.1.mlp.gate_up_proj" in out and "qrt.fp8_linear_cpu" in out
+    assert "lm_head" in out and "aten.linear" in out
+
+
+def test_inspect_of_an_unknown_architecture_names_the_supported_ones(llama_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    shutil.copytree(llama_dir, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt/config.json").read_text())
+    config["architectures"] = ["MambaForCausalLM"]
+    (tmp_path / "ckpt/config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 2
+    assert "LlamaForCausalLM, Qwen2ForCausalLM" in capsys.readouterr().err
+
+
+def test_dump_writes_a_navigable_folder(llama_dir, tmp_path, capsys):
+    out = tmp_path / "dump"
+    assert main(["dump", str(llama_dir), "--quant", "fp8", "--out", str(out), "--decode-steps", "4"]) == 0
+    index = (out / "index.md").read_text()
+    assert "prefill: 1 graph(s), 0 break(s)" in index and "decode: 1 graph(s), 0 break(s)" in index
+    assert "ok: 4 decode steps" in index
+    for role in ("prefill", "decode", "forward"):
+        before = out / f"{role}.graph0.00.swap_quantized_linear.before.py"
+        after = out / f"{role}.graph0.00.swap_quantized_linear.after.py"
+        assert "qrt.fp8_linear(" in before.read_text() and "fp8_linear_cpu" in after.read_text()
+        assert "fp8_linear(" not in after.read_text().replace("fp8_linear_cpu(", "")
+    kernels = (out / "kernels.md").read_text()
+    assert kernels.count("qrt.fp8_linear_cpu") >= 3 * 8
+    assert (out / "graph_breaks.txt").read_text() == "no graph breaks\n"
+
+
+def test_generate_reports_invalid_input_without_a_traceback(llama_dir, capsys):
+    assert main(["generate", str(llama_dir), "--eager", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert "no usable tokenizer" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+"""Graph-break and recompile regressions, and what the swap pass did, for each (arch, format)."""
+
+import pytest
+import torch
+
+CASES = [("llama_dir", None), ("llama_dir", "fp8"), ("qwen2_dir", None), ("qwen2_dir", "fp8")]
+LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
+TINY_LAYERS = 2
+
+
+@pytest.fixture
+def warmed(request, compiled):
+    """A compiled model whose prefill, decode and forward graphs have all run once."""
+    arch, quant = request.param
+    model = compiled(request.getfixturevalue(arch), quant)
+    model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
+    model(torch.tensor([[1, 2, 3, 4]]))
+    return model, quant
+
+
+@pytest.mark.parametrize("warmed", CASES, indirect=True, ids=[f"{a}-{q}" for a, q in CASES])
+def test_one_graph_per_function_and_no_decode_recompiles(warmed):
+    model, _ = warmed
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    # Prompts of other lengths reuse the dynamic prefill graph; 32 decode steps never recompile.
+    with torch.compiler.set_stance("fail_on_recompile"):
+        model.generate(list(range(10, 27)), max_new_tokens=32, stop_at_eos=False)
+        model.generate([3, 1, 4, 1, 5], max_new_tokens=4, stop_at_eos=False)
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+
+
+@pytest.mark.parametrize("warmed", CASES, indirect=True, ids=[f"{a}-{q}" for a, q in CASES])
+def test_swap_pass_replaced_every_logical_op(warmed):
+    model, quant = warmed
+    expected = 0 if quant is None else LINEARS_PER_LAYER * TINY_LAYERS
+    for role, backend in model.backends.items():
+        (graph,) = backend.log.graphs
+        (swap,) = graph.passes
+        assert swap.ops_before.get("qrt.fp8_linear", 0) == expected, role
+        assert swap.ops_after.get("qrt.fp8_linear", 0) == 0, role
+        assert swap.ops_after.get("qrt.fp8_linear_cpu", 0) == expected, role
+        assert swap.changed == expected
+        assert [c.kernel for c in graph.kernel_choices] == ["qrt.fp8_linear_cpu"] * expected
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_dynamo_explain_finds_no_graph_breaks(llama_dir, compiled, role):
+    model = compiled(llama_dir, "fp8")
+    length = 6 if role == "prefill" else 1
+    ids = torch.arange(length).view(1, -1) + 3
+    with torch.no_grad():
+        result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
+    assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons

@@ -1,0 +1,48 @@
+"""The fp8 reference and the CPU kernel, on random inputs."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+import kernels  # noqa: F401
+from kernels.fp8_cpu import fp8_linear_cpu
+from kernels.fp8_reference import FP8_MAX, MIN_SCALE, fp8_linear_reference, quantize_rows_fp8
+
+
+def test_quantize_rows_uses_the_full_range_and_bounds_the_error():
+    x = torch.randn(64, 300) * torch.logspace(-3, 3, 64)[:, None]
+    q, scale = quantize_rows_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((64,), FP8_MAX))
+    err = (q.float() * scale - x).abs()
+    # Half a step of e4m3: 2**-4 relative for normals, half the subnormal step below them.
+    assert torch.all(err <= x.abs() * 2**-4 + scale * 2**-10)
+
+
+def test_all_zero_rows_use_the_scale_floor():
+    q, scale = quantize_rows_fp8(torch.zeros(2, 8))
+    assert torch.equal(scale, torch.full((2, 1), MIN_SCALE)) and torch.equal(q.float(), torch.zeros(2, 8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 70), k=st.integers(1, 70), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_cpu_kernel_matches_reference(m, n, k, bias, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight, scale = quantize_rows_fp8(torch.randn(n, k, generator=gen))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    expected = fp8_linear_reference(x, weight, scale.squeeze(1), b)
+    got = fp8_linear_cpu(x, weight.to(dtype), scale.squeeze(1), b)
+    # fp32: summation order only. bf16: the kernel rounds the GEMM output to bf16 before scaling,
+    # one extra rounding (2**-8 relative) on top of the final one both sides share.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(got, expected, **tol)
+
+
+def test_reference_op_on_3d_input_matches_a_dequantized_matmul():
+    x = torch.randn(2, 5, 32)
+    weight, scale = quantize_rows_fp8(torch.randn(16, 32))
+    out = torch.ops.qrt.fp8_linear(x, weight, scale.squeeze(1), None)
+    xq, xs = quantize_rows_fp8(x.reshape(10, 32))
+    expected = ((xq.float() * xs) @ (weight.float() * scale).t()).reshape(2, 5, 16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
