@@ -131,7 +131,7 @@ class CompiledModel:
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         text_in = isinstance(prompt, str)
-        ids = self._encode(prompt, chat) if text_in else prompt
+        ids = self.encode(prompt, chat) if text_in else prompt
         ids = self._check_ids(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), allow_batch=False)
         if ids.shape[1] + max_new_tokens > self.max_seq_len:
             raise ValueError(
@@ -183,7 +183,8 @@ class CompiledModel:
                 print(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s", file=sys.stderr)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _encode(self, text: str, chat: bool) -> list[int]:
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of `text`; chat=True wraps it in the chat template as one user turn."""
         if self.tokenizer is None:
             raise ValueError(
                 f"{self.source} has no usable tokenizer (tokenizer.json / tokenizer_config.json), "

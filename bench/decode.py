@@ -1,0 +1,281 @@
+"""Prefill and decode speed of qrt (bf16, online fp8) against `transformers` eager bf16, batch 1,
+on one checkpoint, in one run.
+
+    python bench/decode.py                                   # the default model, every engine
+    python bench/decode.py PATH --quant bf16,fp8 --runs 5 --new-tokens 128 --prompt-tokens 32 \\
+        --threads 2 --json out.json
+    python bench/decode.py --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
+
+Run it on a quiet machine: with two cores, another CPU-bound job slows 2-thread decode by several
+times (the script prints the load average and warns when it is high). Every engine gets the same
+prompt (fixed pseudo-random token ids, no special tokens), decodes greedily, and never stops at eos.
+Models are measured one at a time: each is freed before the next is loaded.
+
+Figures:
+- load s: qrt: wall time of `compile_model(..., warmup=False)`: read the checkpoint, quantize or
+  repack the weights, allocate the KV cache; nothing is compiled yet. transformers: `from_pretrained`.
+- compile s: wall time of `CompiledModel.warmup()`, which compiles the prefill and decode graphs
+  (the JSON also has `compile_seconds` per role). Inductor's on-disk cache would make a second
+  run of this script compile much faster, so it points TORCHINDUCTOR_CACHE_DIR at a fresh temporary
+  folder: the figure is a cold compile. Set TORCHINDUCTOR_CACHE_DIR yourself to use your own cache.
+- prefill tok/s: prompt tokens / time of `generate(prompt, max_new_tokens=1)`: one prefill and one
+  greedy sample (for transformers also its per-call setup of `generate`).
+- decode tok/s: N / (time of `generate(prompt, max_new_tokens=N + 1)` - median prefill time), with
+  N = --new-tokens: the N one-token steps after the first token, each a forward pass and a sample.
+  Each run's whole generate minus the *median* prefill: prefill is short and noisy, and pairing
+  each run with its own prefill would add that noise to every decode figure.
+- Each figure is the median of --runs timed runs, after one untimed warm-up run, with [min–max].
+- ×HF: decode tok/s over transformers eager's; ×bf16: qrt fp8 over qrt bf16.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import torch  # noqa: E402
+
+from loaders.config import read_hf_config  # noqa: E402
+
+QUANTS = {"bf16": None, "fp8": "fp8"}  # --quant name -> compile_model's quant
+FIRST_ORDINARY_TOKEN = 10  # ids below this are special tokens (bos, eos, pad, chat markers)
+PROMPT_SEED = 0
+BUSY_LOAD = 0.5  # 1-minute load average above which the figures are not worth keeping
+HF = "transformers eager bf16"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
+    parser.add_argument("--quant", type=parse_quants, default="bf16,fp8",
+                        help="comma-separated qrt variants: bf16 (weights as stored), fp8")
+    parser.add_argument("--runs", type=positive_int, default=5)
+    parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=32)
+    parser.add_argument("--skip-hf", action="store_true", help="do not measure transformers eager")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    return parser.parse_args()
+
+
+def parse_quants(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in QUANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {list(QUANTS)}, got {text!r}")
+    return names
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def machine_state() -> dict:
+    import transformers
+
+    return {
+        "loadavg": os.getloadavg(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def print_machine_state(state: dict) -> None:
+    load1, load5, load15 = state["loadavg"]
+    print(f"load average {load1:.2f} {load5:.2f} {load15:.2f}; torch threads {state['torch_threads']} "
+          f"of {state['cpu_count']} CPUs; torch {state['torch']}, transformers {state['transformers']}")
+    if load1 > BUSY_LOAD:
+        print(f"WARNING: 1-minute load average {load1:.2f} > {BUSY_LOAD}: another job is using the CPUs, "
+              f"and figures taken under load can be wrong by several times")
+
+
+def prompt_ids(vocab_size: int, length: int) -> list[int]:
+    """The same pseudo-random prompt on every run and for every engine."""
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    return torch.randint(FIRST_ORDINARY_TOKEN, vocab_size, (length,), generator=generator).tolist()
+
+
+def wall_time(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def timed_runs(fn, runs: int) -> list[float]:
+    """Seconds of each of `runs` calls of fn, after one untimed call (warm caches, any recompile)."""
+    fn()
+    return [wall_time(fn) for _ in range(runs)]
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def speeds(prefill_s: list[float], generate_s: list[float], prompt_tokens: int, new_tokens: int) -> dict:
+    prefill_median = statistics.median(prefill_s)
+    return {
+        "prefill_tok_s": spread([prompt_tokens / s for s in prefill_s]),
+        "decode_tok_s": spread([new_tokens / (s - prefill_median) for s in generate_s]),
+        "prefill_s": prefill_s,
+        "generate_s": generate_s,
+    }
+
+
+def check_length(new_ids, expected: int, engine: str) -> None:
+    # A generate that stopped early would pass for a faster one.
+    if len(new_ids) != expected:
+        raise RuntimeError(f"{engine}: generated {len(new_ids)} tokens, expected {expected}")
+
+
+def bench_qrt(path: Path, quant_name: str, ids: list[int], args) -> dict:
+    from runtime import compile_model
+
+    engine = f"qrt {quant_name}"
+    log(f"{engine}: loading")
+    started = time.perf_counter()
+    model = compile_model(path, QUANTS[quant_name], warmup=False, progress=False)
+    load_s = time.perf_counter() - started
+    log(f"{engine}: compiling")
+    compile_s = wall_time(model.warmup)
+
+    def prefill():
+        check_length(model.generate(ids, max_new_tokens=1, stop_at_eos=False), 1, engine)
+
+    def generate():
+        new_ids = model.generate(ids, max_new_tokens=args.new_tokens + 1, stop_at_eos=False)
+        check_length(new_ids, args.new_tokens + 1, engine)
+
+    log(f"{engine}: timing")
+    result = {
+        "engine": engine, "load_s": load_s, "compile_s": compile_s,
+        "compile_seconds": dict(model.compile_seconds), "max_seq_len": model.max_seq_len,
+        **speeds(timed_runs(prefill, args.runs), timed_runs(generate, args.runs),
+                 len(ids), args.new_tokens),
+        # 1 graph per role: nothing recompiled after warmup(), so compile s is the whole cost.
+        "graphs": model.compile_report(),
+    }
+    del model
+    gc.collect()  # so the next model is measured with only itself in memory
+    return result
+
+
+def bench_hf(path: Path, ids: list[int], args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    log(f"{HF}: loading")
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    load_s = time.perf_counter() - started
+    input_ids = torch.tensor([ids])
+    attention_mask = torch.ones_like(input_ids)
+
+    def run(new_tokens: int):
+        # min_new_tokens keeps eos from ending generation early.
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False)
+        check_length(out[0, len(ids):], new_tokens, HF)
+
+    log(f"{HF}: timing")
+    result = {
+        "engine": HF, "load_s": load_s, "compile_s": None,
+        **speeds(timed_runs(lambda: run(1), args.runs), timed_runs(lambda: run(args.new_tokens + 1), args.runs),
+                 len(ids), args.new_tokens),
+    }
+    del model
+    gc.collect()  # so the next model is measured with only itself in memory
+    return result
+
+
+def add_ratios(results: list[dict]) -> None:
+    decode = {r["engine"]: r["decode_tok_s"]["median"] for r in results}
+    for result in results:
+        own = result["decode_tok_s"]["median"]
+        result["vs_hf"] = own / decode[HF] if HF in decode and result["engine"] != HF else None
+        is_fp8 = result["engine"] == "qrt fp8"
+        result["vs_qrt_bf16"] = own / decode["qrt bf16"] if is_fp8 and "qrt bf16" in decode else None
+
+
+def print_table(results: list[dict]) -> None:
+    header = ("engine", "load s", "compile s", "prefill tok/s", "decode tok/s", "×HF", "×bf16")
+    rows = [header] + [(
+        r["engine"],
+        f"{r['load_s']:.1f}",
+        "—" if r["compile_s"] is None else f"{r['compile_s']:.1f}",
+        fmt_spread(r["prefill_tok_s"]),
+        fmt_spread(r["decode_tok_s"]),
+        fmt_ratio(r["vs_hf"]),
+        fmt_ratio(r["vs_qrt_bf16"]),
+    ) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    print()
+    for row in rows:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths))))
+    for r in results:
+        if "compile_seconds" in r:
+            roles = ", ".join(f"{role} {s:.1f} s" for role, s in r["compile_seconds"].items())
+            print(f"{r['engine']}: compiled {roles}; Dynamo graphs per role {r['graphs']} "
+                  f"(more than 1: recompiled after warmup)")
+
+
+def fmt_spread(s: dict) -> str:
+    return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}]"
+
+
+def fmt_ratio(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.2f}"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fresh_cache = None
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        fresh_cache = tempfile.TemporaryDirectory(prefix="qrt-bench-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh_cache.name
+    state = machine_state()  # before loading anything: the load average of the machine as found
+    print_machine_state(state)
+    if args.path is None:
+        from runtime.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(args.path)
+    ids = prompt_ids(read_hf_config(path)["vocab_size"], args.prompt_tokens)
+    print(f"{path}: prompt of {len(ids)} tokens, {args.new_tokens} decode steps, {args.runs} runs, "
+          f"Inductor cache {'fresh' if fresh_cache else os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+
+    results = [bench_qrt(path, quant, ids, args) for quant in args.quant]
+    if not args.skip_hf:
+        results.append(bench_hf(path, ids, args))
+    add_ratios(results)
+    print_table(results)
+    if args.json:
+        report = {"machine": state, "path": str(path), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  "prompt_ids": ids, "results": results}
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if fresh_cache:
+        fresh_cache.cleanup()
+
+
+if __name__ == "__main__":
+    main()
