@@ -11,7 +11,6 @@ from tqdm import tqdm
 from .config import DeviceConfig, LoadConfig, parse_dtype
 from .errors import CheckpointError, TensorMismatch
 from .parameters import attributes_of, make_parameter
-from .safetensors_files import checkpoint_files, count_tensors, iter_tensors
 
 
 def choose_dtype(device_config: DeviceConfig, hf_config: dict) -> torch.dtype:
@@ -21,20 +20,21 @@ def choose_dtype(device_config: DeviceConfig, hf_config: dict) -> torch.dtype:
     return parse_dtype(stored) if isinstance(stored, str) else torch.bfloat16
 
 
-def load_model(model_cls, folder: Path, hf_config: dict, scheme, load_config: LoadConfig,
-               device_config: DeviceConfig) -> nn.Module:
-    """A model of `model_cls` with every weight loaded and repacked for `device_config.device`.
+def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_config: DeviceConfig) -> nn.Module:
+    """A model of `model_cls` with every weight of `checkpoint` (see checkpoint.py) loaded and
+    repacked for `device_config.device`.
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
-    dtype = choose_dtype(device_config, hf_config)
+    dtype = choose_dtype(device_config, checkpoint.hf_config)
     with torch.device("meta"):
-        model = model_cls(hf_config, scheme, dtype, source=Path(folder) / "config.json")
+        model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path)
     materialize(model, device_config.device)
     started = time.perf_counter()
     if load_config.load_format == "dummy":
         fill_random(model, load_config.seed)
     else:
-        stream_checkpoint(model, checkpoint_files(folder), progress=load_config.progress)
+        tensors, total = checkpoint.tensors(dtype)
+        stream_tensors(model, tensors, total, where=checkpoint.folder, progress=load_config.progress)
     run_loader_pass(model, device_config.device)
     if load_config.progress:
         print(f"qrt: loaded weights in {time.perf_counter() - started:.1f} s", file=sys.stderr)
@@ -61,15 +61,14 @@ def _checkpoint_to_param_name(model, name: str) -> tuple[str, object]:
     return name, None
 
 
-def stream_checkpoint(model: nn.Module, files: list[Path], progress: bool) -> None:
-    """Feed each checkpoint tensor to its parameter's weight_loader, then check nothing is missing."""
+def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress: bool) -> None:
+    """Feed each (file, name, tensor) to its parameter's weight_loader, then check nothing is missing."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     skippable = model.tied_tensor_names()
-    bar = tqdm(total=count_tensors(files), desc="qrt: loading", unit="tensor", disable=not progress,
-               file=sys.stderr, leave=False)
+    bar = tqdm(total=total, desc="qrt: loading", unit="tensor", disable=not progress, file=sys.stderr, leave=False)
     with bar:
-        for path, name, tensor in iter_tensors(files):
+        for path, name, tensor in tensors:
             bar.update(1)
             if name in skippable or name.endswith(model.ignored_tensor_suffixes):
                 continue
@@ -85,7 +84,7 @@ def stream_checkpoint(model: nn.Module, files: list[Path], progress: bool) -> No
             except TensorMismatch as err:
                 raise CheckpointError(path, name, f"{err} (loading into '{param_name}')") from None
             loaded[param_name].add(shard_id)
-    _check_complete(model, params, loaded, files)
+    _check_complete(model, params, loaded, where)
 
 
 def _expected_shards(model, param_name: str) -> set:
@@ -94,7 +93,7 @@ def _expected_shards(model, param_name: str) -> set:
     return {None} if layout is None else set(layout.shard_ids)
 
 
-def _check_complete(model, params: dict, loaded: dict, files: list[Path]) -> None:
+def _check_complete(model, params: dict, loaded: dict, where: Path) -> None:
     missing = []
     for name, param in params.items():
         if getattr(param, "weight_loader", None) is None:
@@ -102,7 +101,6 @@ def _check_complete(model, params: dict, loaded: dict, files: list[Path]) -> Non
         for shard_id in sorted(_expected_shards(model, name) - loaded[name], key=str):
             missing.append(name if shard_id is None else f"{name} (shard {shard_id!r})")
     if missing:
-        where = files[0].parent
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(where, None, f"missing tensor(s) for {shown}")
 

@@ -1,16 +1,46 @@
-"""Find and stream the tensors of a safetensors checkpoint, one tensor at a time."""
+"""Find the weight files of a safetensors checkpoint and stream their tensors one at a time.
+
+The reader is our own rather than safetensors' memory map: reading each tensor with plain file
+reads into a fresh buffer keeps peak memory at the model plus one tensor, where a memory map
+leaves the whole file's pages resident until it closes (a second copy of the weights). It also
+checks the header against the file, so a truncated or corrupted file fails with its name and the
+tensor at fault rather than deep inside a kernel.
+
+Format: 8 bytes little-endian header length n, n bytes of JSON {name: {dtype, shape,
+data_offsets: [begin, end]}, "__metadata__": {...}}, then the data; offsets count from its start.
+"""
 
 import json
+import math
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    dtype_name: str
+    shape: tuple
+    begin: int  # absolute byte offset in the file
+    nbytes: int
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -20,9 +50,10 @@ def checkpoint_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(index, None, f"not a valid safetensors index ({err!r})") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        files = [folder / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(index, None, f"names shard(s) {missing} that are not in {folder}")
@@ -30,35 +61,82 @@ def checkpoint_files(folder: Path) -> list[Path]:
     single = folder / SINGLE_NAME
     if single.is_file():
         return [single]
-    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    others = sorted(folder.glob("*.safetensors"))
     if others:
-        return [folder / name for name in others]
+        return others
     raise CheckpointError(folder, None, f"no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors found")
 
 
+def read_header(path: Path) -> list[TensorEntry]:
+    """The tensor table of one file, validated against the file's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(path, None, f"not a safetensors file: {size} bytes, too short for a header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(path, None, f"not a safetensors file, or truncated: header claims "
+                                  f"{header_len} bytes, the file has {size - 8} after the length field")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(path, None, f"corrupted safetensors header: not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, None, "corrupted safetensors header: not a JSON object")
+    data_start = 8 + header_len
+    entries = [_entry(path, name, info, data_start) for name, info in header.items() if name != "__metadata__"]
+    _check_layout(path, entries, size)
+    return entries
+
+
+def _entry(path: Path, name: str, info, data_start: int) -> TensorEntry:
+    try:
+        dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+            raise ValueError("negative or non-integer sizes")
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(path, name, f"corrupted header entry {info!r} ({err})") from None
+    if dtype_name not in DTYPES:
+        raise CheckpointError(path, name, f"unknown dtype {dtype_name!r}; known: {sorted(DTYPES)}")
+    dtype = DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise CheckpointError(path, name, f"header gives {end - begin} bytes for shape {list(shape)} "
+                              f"{dtype_name}, which needs {expected}")
+    return TensorEntry(name, dtype, dtype_name, shape, data_start + begin, expected)
+
+
+def _check_layout(path: Path, entries: list[TensorEntry], size: int) -> None:
+    previous = None
+    for entry in sorted(entries, key=lambda e: e.begin):
+        if entry.begin + entry.nbytes > size:
+            raise CheckpointError(path, entry.name, f"data ends at byte {entry.begin + entry.nbytes}, past "
+                                  f"the end of the file ({size} bytes): the file is truncated")
+        if previous is not None and entry.begin < previous.begin + previous.nbytes:
+            raise CheckpointError(path, entry.name, f"data overlaps tensor '{previous.name}': corrupted header")
+        previous = entry
+
+
 def count_tensors(files: list[Path]) -> int:
-    total = 0
-    for path in files:
-        with _open(path) as handle:
-            total += len(handle.keys())
-    return total
+    return sum(len(read_header(path)) for path in files)
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Yield (file, name, tensor) one tensor at a time, so at most one checkpoint tensor is
-    held in memory beside the model."""
+    """Yield (file, name, tensor), one tensor in memory at a time, in file order."""
     for path in files:
-        with _open(path) as handle:
-            for name in handle.keys():
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as err:  # safetensors raises its own error types
-                    raise CheckpointError(path, name, f"cannot be read ({err})") from None
-                yield path, name, tensor
+        entries = sorted(read_header(path), key=lambda e: e.begin)
+        with open(path, "rb") as handle:
+            for entry in entries:
+                yield path, entry.name, _read(handle, path, entry)
 
 
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as err:  # a truncated or foreign file fails inside the Rust reader
-        raise CheckpointError(path, None, f"not a readable safetensors file ({err})") from None
+def _read(handle, path: Path, entry: TensorEntry) -> torch.Tensor:
+    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    if entry.nbytes == 0:
+        return tensor
+    handle.seek(entry.begin)
+    buffer = tensor.view(-1).view(torch.uint8).numpy()  # shares memory with `tensor`
+    if handle.readinto(buffer) != entry.nbytes:
+        raise CheckpointError(path, entry.name, "file ended while reading the tensor: truncated")
+    return tensor

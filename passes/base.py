@@ -34,11 +34,12 @@ def count_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 
 def target_name(target) -> str:
-    """'qrt.fp8_linear' for torch.ops.qrt.fp8_linear (packet or overload); else the callable's name."""
-    schema_name = getattr(target, "_qualified_op_name", None) or getattr(target, "__name__", None)
-    if hasattr(target, "_schema"):
-        schema_name = target._schema.name
-    if isinstance(schema_name, str) and "::" in schema_name:
-        return schema_name.replace("::", ".")
-    module = getattr(target, "__module__", "") or ""
-    return f"{module}.{schema_name}" if module and schema_name else str(target)
+    """'qrt.fp8_linear' for torch.ops.qrt.fp8_linear, whether the graph holds the op packet (as
+    Dynamo graphs do) or an overload (as traced aten graphs do); 'module.name' for a function."""
+    if hasattr(target, "_schema"):  # OpOverload
+        return target._schema.name.replace("::", ".")
+    if hasattr(target, "_qualified_op_name"):  # OpOverloadPacket
+        return target._qualified_op_name.replace("::", ".")
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__name__", None)
+    return f"{module}.{name}" if module and name else str(target)

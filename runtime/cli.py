@@ -64,10 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _compile(args, **kwargs):
+def _compile(args, path=None, **kwargs):
     import runtime
 
-    return runtime.compile_model(args.path, quant=args.quant, device=args.device, dtype=args.dtype, **kwargs)
+    return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype, **kwargs)
 
 
 def _generate(args) -> int:
@@ -89,23 +89,26 @@ def _generate(args) -> int:
 
 
 def _inspect(args) -> int:
-    from loaders.config import read_hf_config
-    from loaders.safetensors_files import checkpoint_files, iter_tensors
+    from loaders.checkpoint import SafetensorsCheckpoint, open_checkpoint
+    from loaders.config import LoadConfig
     from loaders.quant import resolve_scheme
+    from loaders.safetensors_files import checkpoint_files
+
     from .registry import ModelRegistry
 
-    folder = _resolve_path(args.path)
-    hf_config = read_hf_config(folder)
-    print(f"checkpoint:    {folder}")
+    path = _resolve_path(args.path)
+    checkpoint = open_checkpoint(path, LoadConfig())
+    hf_config = checkpoint.hf_config
+    print(f"checkpoint:    {path}")
     print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
     stored = hf_config.get("quantization_config")
     print(f"stored format: {stored.get('quant_method') if isinstance(stored, dict) else 'none (unquantized)'}")
-    files = checkpoint_files(folder)
-    _print_tensors(files, iter_tensors, args.tensors)
-    ModelRegistry.resolve(hf_config, source=folder / "config.json")
-    scheme = resolve_scheme(hf_config, args.quant, folder / "config.json")
+    if isinstance(checkpoint, SafetensorsCheckpoint):
+        _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
+    ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
+    scheme = resolve_scheme(hf_config, args.quant, checkpoint.config_path)
     print(f"quantization:  {scheme.describe()}")
-    model = _compile(args, compile=False, progress=False).model
+    model = _compile(args, compile=False, progress=False, path=path).model
     print(f"\nlinear layers on {args.device} after the loader pass:")
     print(f"  {'layer':<40} {'format':<6} {'storage layout':<44} kernel")
     for name, module in model.named_modules():
@@ -116,19 +119,17 @@ def _inspect(args) -> int:
     return 0
 
 
-def _print_tensors(files, iter_tensors, limit: int) -> None:
-    from safetensors import safe_open
+def _print_tensors(files, limit: int) -> None:
+    from loaders.safetensors_files import read_header
 
     total = 0
     print(f"weight files:  {', '.join(f.name for f in files)}")
     print("tensors:")
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                if limit < 0 or total < limit:
-                    piece = handle.get_slice(name)
-                    print(f"  {name:<56} {piece.get_dtype():<8} {piece.get_shape()}")
-                total += 1
+        for entry in read_header(path):
+            if limit < 0 or total < limit:
+                print(f"  {entry.name:<56} {entry.dtype_name:<8} {list(entry.shape)}")
+            total += 1
     if 0 <= limit < total:
         print(f"  … {total - limit} more (--tensors -1 lists all)")
 

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import torch
 
-from loaders.config import DeviceConfig, LoadConfig, read_hf_config
+from loaders.checkpoint import open_checkpoint
+from loaders.config import DeviceConfig, LoadConfig
 from loaders.loader import load_model
 from loaders.quant import resolve_scheme
+from loaders.tokenizer import eos_token_ids
 from passes.backend import QrtBackend
 
 from .registry import ModelRegistry
 from .sampling import SamplingParams, sample
-from .tokenizer import eos_token_ids, load_tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -35,7 +36,8 @@ def compile_model(
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
 
-    path: a checkpoint folder (config.json + safetensors [+ tokenizer]); None: the default model.
+    path: a checkpoint folder (config.json + safetensors [+ tokenizer]) or a .gguf file;
+    None: the default model.
     quant: None to run weights as stored, or an online format ("fp8") for a bf16/fp16 checkpoint.
     compile=False runs eagerly with the reference ops (the numerical oracle).
     warmup compiles prefill and decode now (and says how long it took) instead of on first use.
@@ -44,20 +46,19 @@ def compile_model(
         from .default_model import default_model_path
 
         path = default_model_path(progress=progress)
-    folder = Path(path)
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
-    hf_config = read_hf_config(folder)
-    config_path = folder / "config.json"
-    model_cls = ModelRegistry.resolve(hf_config, source=config_path)
-    scheme = resolve_scheme(hf_config, quant, config_path)
-    model = load_model(model_cls, folder, hf_config, scheme, load_config, device_config)
+    checkpoint = open_checkpoint(path, load_config)
+    hf_config = checkpoint.hf_config
+    model_cls = ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
+    scheme = resolve_scheme(hf_config, quant, checkpoint.config_path)
+    model = load_model(model_cls, checkpoint, scheme, load_config, device_config)
     limit = model.config.max_position_embeddings
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
     model.allocate_caches(max_batch_size, max_seq_len)
-    tokenizer = load_tokenizer(folder)
-    compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(folder, hf_config, tokenizer),
-                             compile=compile, progress=progress, source=folder)
+    tokenizer = checkpoint.load_tokenizer()
+    compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
+                             compile=compile, progress=progress, source=Path(path))
     if compile and warmup:
         compiled.warmup()
     return compiled

@@ -1,0 +1,77 @@
+"""Where a model's config and tensors come from: a safetensors folder or a GGUF file."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .config import LoadConfig, read_hf_config
+from .errors import CheckpointError
+from .safetensors_files import checkpoint_files, count_tensors, iter_tensors
+from .tokenizer import load_tokenizer
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face folder: config.json, model.safetensors or a sharded index, tokenizer files."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.config_path = self.folder / "config.json"
+        self.hf_config = read_hf_config(self.folder)
+
+    def tensors(self, dtype: torch.dtype) -> tuple[Iterator[tuple[Path, str, torch.Tensor]], int]:
+        files = checkpoint_files(self.folder)
+        return iter_tensors(files), count_tensors(files)
+
+    def load_tokenizer(self):
+        return load_tokenizer(self.folder)
+
+
+class GgufCheckpoint:
+    """A llama.cpp GGUF file, dequantized to the model dtype as it loads (config, tensors and
+    tokenizer all come from the file's metadata)."""
+
+    def __init__(self, path: Path):
+        from .gguf import read_gguf_config
+
+        self.path = Path(path)
+        self.folder = self.path.parent
+        self.config_path = self.path
+        self.hf_config = read_gguf_config(self.path)
+
+    def tensors(self, dtype: torch.dtype):
+        from .gguf import read_gguf_tensors
+
+        tensors = read_gguf_tensors(self.path, dtype)
+        return ((self.path, name, tensors.pop(name)) for name in list(tensors)), len(tensors)
+
+    def load_tokenizer(self):
+        from .gguf import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(self.path)
+
+
+def open_checkpoint(path, load_config: LoadConfig):
+    """The checkpoint at `path` for `load_config.load_format` ("auto" picks by what is there)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(path, None, "no such file or folder")
+    fmt = load_config.load_format
+    if fmt == "auto":
+        fmt = "gguf" if path.suffix == ".gguf" or (path.is_dir() and _lone_gguf(path) and
+                                                    not (path / "config.json").exists()) else "safetensors"
+    if fmt == "gguf":
+        return GgufCheckpoint(path if path.is_file() else _lone_gguf(path, required=True))
+    if path.is_file():
+        raise CheckpointError(path, None, "expected a checkpoint folder (config.json + *.safetensors)")
+    return SafetensorsCheckpoint(path)  # also "dummy": only its config is read
+
+
+def _lone_gguf(folder: Path, required: bool = False) -> Path | None:
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) == 1:
+        return found[0]
+    if required:
+        problem = "no .gguf file" if not found else f"{len(found)} .gguf files; pass the one to load"
+        raise CheckpointError(folder, None, problem)
+    return None
