@@ -6,6 +6,7 @@ import types
 from pathlib import Path
 
 import torch
+from torch._inductor import config as inductor_config
 
 from loaders.checkpoint import open_checkpoint
 from loaders.config import DeviceConfig, LoadConfig
@@ -94,10 +95,14 @@ class CompiledModel:
         self.eos_ids = eos_ids
         self.source = Path(source)
         self.progress = progress
+        self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.max_seq_len
-        freeze = next(model.parameters()).device.type == "cpu"
+        freeze = self.device.type == "cpu"
         self.backends = {role: QrtBackend(role, freeze=freeze) for role in ("prefill", "decode", "forward")}
+        # Dynamo decides while tracing whether parameters become constants (Inductor freezing),
+        # so the flag must be on around every call that may trace, not only inside the backend.
+        self._trace_config = {"freezing": True} if freeze and compile else {}
         self.compile_seconds: dict[str, float] = {}
         fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
         if compile:
@@ -116,8 +121,7 @@ class CompiledModel:
         input_ids = self._check_ids(input_ids, allow_batch=True)
         if input_ids.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
-        with torch.no_grad():
-            return self._fns["forward"](self.model, input_ids)
+        return self._run("forward", input_ids.to(self.device))
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0,
@@ -159,16 +163,20 @@ class CompiledModel:
                     stream(token_id)
                 if (stop_at_eos and token_id in self.eos_ids) or step == max_new_tokens - 1:
                     break
-                position = torch.tensor([seq + step], dtype=torch.long)
-                logits = self._fns["decode"](self.model, token.view(1, 1), position)
+                position = torch.tensor([seq + step], dtype=torch.long, device=self.device)
+                logits = self._run("decode", token.view(1, 1), position)
         return new_ids
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
         seq = ids.shape[1]
-        positions = torch.arange(seq, dtype=torch.long)
-        if seq == 1:  # a one-token prompt is a decode step; the prefill graph needs T >= 2
-            return self._fns["decode"](self.model, ids, positions)
-        return self._fns["prefill"](self.model, ids, positions)
+        ids = ids.to(self.device)
+        positions = torch.arange(seq, dtype=torch.long, device=self.device)
+        # A one-token prompt is a decode step; the prefill graph needs T >= 2.
+        return self._run("decode" if seq == 1 else "prefill", ids, positions)
+
+    def _run(self, role: str, *args) -> torch.Tensor:
+        with torch.no_grad(), inductor_config.patch(self._trace_config):
+            return self._fns[role](self.model, *args)
 
     def warmup(self) -> None:
         """Compile prefill and decode now, printing how long each took."""
@@ -176,9 +184,8 @@ class CompiledModel:
             started = time.perf_counter()
             if self.progress:
                 print(f"qrt: compiling {role} …", file=sys.stderr, flush=True)
-            ids = torch.zeros(1, length, dtype=torch.long)
-            with torch.no_grad():
-                self._fns[role](self.model, ids, torch.arange(length))
+            ids = torch.zeros(1, length, dtype=torch.long, device=self.device)
+            self._run(role, ids, torch.arange(length, device=self.device))
             self.compile_seconds[role] = time.perf_counter() - started
             if self.progress:
                 print(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s", file=sys.stderr)
