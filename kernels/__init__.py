@@ -12,6 +12,5 @@ from . import fp8_cpu, fp8_reference  # noqa: F401  (registration side effects)
 
 try:
     from . import fp8_triton  # noqa: F401
-    HAVE_TRITON = True
 except ImportError:  # no Triton on this platform: the CPU paths still work
-    HAVE_TRITON = False
+    pass

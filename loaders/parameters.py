@@ -1,10 +1,9 @@
 """The one way qrt makes parameters: plain `nn.Parameter`s carrying an attribute dict.
 
-Parameter subclasses break `torch.compile` (see FORMATS.md §7.5), so loader metadata lives as
-ordinary attributes on a plain Parameter: read at load time and by passes, never in `forward`.
+Parameter subclasses break `torch.compile` (Dynamo cannot trace them, which is why other runtimes
+convert theirs back to plain Parameters before compiling), so loader metadata lives as ordinary
+attributes on a plain Parameter: read at load time and by passes, never in `forward`.
 """
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,6 +54,3 @@ def replace_parameter(module: nn.Module, name: str, data: torch.Tensor, **attrib
     new = make_parameter(data, **kept)
     setattr(module, name, new)
     return new
-
-
-WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]

@@ -37,8 +37,12 @@ def _example(node) -> torch.Tensor | None:
 
 
 def _resolve_op(name: str):
+    """The op packet for 'ns.op', or None when it is not registered (e.g. Triton missing)."""
     namespace, op = name.split(".")
-    return getattr(getattr(torch.ops, namespace), op)
+    try:
+        return getattr(getattr(torch.ops, namespace), op)
+    except AttributeError:
+        return None
 
 
 class SwapQuantizedLinear(GraphPass):
@@ -60,8 +64,12 @@ class SwapQuantizedLinear(GraphPass):
             key = (x.device.type, _dtype_kind(weight.dtype))
             kernel, reason = table.get(key, (logical, f"no kernel for {key}; kept the reference op"))
             if kernel != logical:
-                node.target = _resolve_op(kernel)
-                changed += 1
+                op = _resolve_op(kernel)
+                if op is None:
+                    kernel, reason = logical, f"{kernel} is not registered here; kept the reference op"
+                else:
+                    node.target = op
+                    changed += 1
             report.kernel_choices.append(
                 KernelChoice(node.name, logical, kernel, reason, tuple(weight.shape),
                              str(weight.dtype).removeprefix("torch."), x.device.type)
