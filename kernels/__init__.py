@@ -8,9 +8,9 @@
 Nothing here imports the rest of qrt; passes find these ops by name.
 """
 
-from . import fp8_cpu, fp8_reference  # noqa: F401  (registration side effects)
+from . import fp8_block, fp8_cpu, fp8_reference, fp8_static  # noqa: F401  (registration side effects)
 
 try:
-    from . import fp8_triton  # noqa: F401
+    from . import fp8_block_triton, fp8_static_triton, fp8_triton  # noqa: F401
 except ImportError:  # no Triton on this platform: the CPU paths still work
     pass

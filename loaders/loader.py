@@ -55,6 +55,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def _checkpoint_to_param_name(model, name: str) -> tuple[str, object]:
+    for old, new in model.renamed_tensors:
+        if name.endswith(old):
+            return name[: -len(old)] + new, None
     for fused, shard, shard_id in model.stacked_params:
         if shard in name:
             return name.replace(shard, fused), shard_id

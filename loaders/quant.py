@@ -1,52 +1,200 @@
 """Which quantization a model gets: detected from the checkpoint, or asked for with `quant=`.
 
 A QuantScheme answers, per linear layer, which LinearMethod creates, loads and runs its weights.
+Layers are named by their checkpoint module names (a fused layer by all of its shards').
 """
 
-from dataclasses import dataclass, field
+import fnmatch
+import json
+import re
+from pathlib import Path
 
 from .errors import ConfigError, UnsupportedError
 from .fp8 import Fp8OnlineLinearMethod
+from .fp8_checkpoint import DYNAMIC_GROUP, DYNAMIC_TOKEN, STATIC_TENSOR, Fp8CheckpointLinearMethod, Fp8Layout
 from .unquantized import UnquantizedLinearMethod
 
 # quant= values qrt applies to an unquantized checkpoint while loading it.
 ONLINE_METHODS = {"fp8": Fp8OnlineLinearMethod}
+ALWAYS_DENSE = ("lm_head", "embed_tokens")
 
 
-@dataclass
 class QuantScheme:
-    """name: "none" or a format; skip: module-name suffixes kept unquantized."""
+    """name: "none", an online format, or a stored format; `skip`: module patterns kept dense."""
 
-    name: str
-    skip: tuple = field(default=("lm_head", "embed_tokens"))
+    def __init__(self, name: str, make_method=None, skip=(), description: str = "", kv_cache_fp8: str | None = None):
+        self.name = name
+        self.make_method = make_method
+        self.skip = tuple(skip)
+        self.description = description
+        self.kv_cache_fp8 = kv_cache_fp8  # None, or the family whose k_scale/v_scale convention applies
 
-    def method_for(self, module_name: str):
-        if self.name == "none" or module_name.endswith(self.skip):
+    def method_for(self, module_names):
+        """The LinearMethod for a layer made of the checkpoint modules `module_names`."""
+        if isinstance(module_names, str):
+            module_names = [module_names]
+        if self.make_method is None or any(n.endswith(ALWAYS_DENSE) for n in module_names):
             return UnquantizedLinearMethod()
-        return ONLINE_METHODS[self.name]()
+        skipped = {any(_matches(name, pattern) for pattern in self.skip) for name in module_names}
+        if len(skipped) > 1:
+            raise UnsupportedError(f"the shards {module_names} are quantized differently (some are in the ignore "
+                                   f"list, some not); qrt runs them as one fused layer and cannot mix them")
+        return UnquantizedLinearMethod() if skipped.pop() else self.make_method()
 
     def describe(self) -> str:
-        if self.name == "none":
-            return "none (weights as stored)"
-        return f"{self.name} (online: quantized while loading; lm_head and embeddings kept)"
+        return self.description or self.name
 
 
-def resolve_scheme(hf_config: dict, quant: str | None, config_path) -> QuantScheme:
+def _matches(name: str, pattern: str) -> bool:
+    """Ignore-list matching: `re:` regexes (compressed-tensors), wildcards (ModelOpt), else a
+    module name or a dotted suffix/prefix of one ("lm_head", "mlp.gate", "model.layers.0")."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern.rstrip("*").rstrip("."))
+    return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
+
+
+def resolve_scheme(hf_config: dict, quant: str | None, config_path, folder=None) -> QuantScheme:
     """The scheme for this checkpoint and `quant=` argument, or a clear error."""
-    stored = hf_config.get("quantization_config")
+    stored = detect_stored_scheme(hf_config, config_path, folder)
     if stored is not None:
-        if not isinstance(stored, dict) or "quant_method" not in stored:
-            raise ConfigError(f"{config_path}: quantization_config has no 'quant_method'")
-        method = stored["quant_method"]
-        raise UnsupportedError(
-            f"{config_path}: the checkpoint is pre-quantized with quant_method={method!r}, which "
-            f"this version of qrt cannot load yet. Unquantized checkpoints (bf16/fp16/fp32) are "
-            f"supported, with quant=None or quant in {sorted(ONLINE_METHODS)}."
-        )
+        if quant not in (None, "none", stored.name):
+            raise UnsupportedError(
+                f"quant={quant!r} was asked for, but {config_path} is a pre-quantized {stored.describe()} "
+                f"checkpoint; load it as stored (quant=None or quant={stored.name!r}) or start from an "
+                f"unquantized checkpoint"
+            )
+        return stored
     if quant is None or quant == "none":
-        return QuantScheme("none")
+        return QuantScheme("none", description="none (weights as stored)")
     if quant not in ONLINE_METHODS:
         raise UnsupportedError(
             f"quant={quant!r} is not supported; choose None (as stored) or one of {sorted(ONLINE_METHODS)}"
         )
-    return QuantScheme(quant)
+    return QuantScheme(quant, ONLINE_METHODS[quant],
+                       description=f"{quant} (online: quantized while loading; lm_head and embeddings kept)")
+
+
+def detect_stored_scheme(hf_config: dict, config_path, folder=None) -> QuantScheme | None:
+    stored = hf_config.get("quantization_config")
+    side_file = Path(folder) / "hf_quant_config.json" if folder is not None else None
+    if stored is None and side_file is not None and side_file.is_file():
+        return _modelopt_side_file(side_file)
+    if stored is None:
+        return None
+    if not isinstance(stored, dict) or "quant_method" not in stored:
+        raise ConfigError(f"{config_path}: quantization_config has no 'quant_method'")
+    method = str(stored["quant_method"]).lower()
+    readers = {"fp8": _hf_fp8, "modelopt": _modelopt_config, "compressed-tensors": _compressed_tensors}
+    if method not in readers:
+        raise UnsupportedError(
+            f"{config_path}: the checkpoint is pre-quantized with quant_method={method!r}, which this version "
+            f"of qrt cannot load yet; supported: {sorted(readers)} (FP8), and unquantized checkpoints"
+        )
+    return readers[method](stored, config_path)
+
+
+def _fp8_scheme(layout: Fp8Layout, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
+    block = f" {layout.block[0]}x{layout.block[1]}" if layout.block else ""
+    description = f"fp8 ({family}: {layout.weight}{block} weight scales, {layout.activation} activations"
+    description += ", fp8 KV cache)" if kv_cache_fp8 else ")"
+    return QuantScheme("fp8", lambda: Fp8CheckpointLinearMethod(layout, family), skip, description, kv_cache_fp8)
+
+
+def _hf_fp8(config: dict, config_path) -> QuantScheme:
+    activation = config.get("activation_scheme", "dynamic")
+    block = config.get("weight_block_size")
+    skip = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
+    if block is not None:
+        if activation != "dynamic" or len(block) != 2:
+            raise ConfigError(f"{config_path}: fp8 weight_block_size={block} needs activation_scheme 'dynamic' "
+                              f"and two block sizes")
+        layout = Fp8Layout("block", DYNAMIC_GROUP, tuple(int(b) for b in block), "weight_scale_inv")
+    elif activation in ("dynamic", "static"):
+        layout = Fp8Layout("tensor", STATIC_TENSOR if activation == "static" else DYNAMIC_TOKEN)
+    else:
+        raise ConfigError(f"{config_path}: activation_scheme={activation!r}; expected 'static' or 'dynamic'")
+    return _fp8_scheme(layout, "HF fp8", skip)
+
+
+_MODELOPT_FP8 = {
+    "FP8": Fp8Layout("tensor", STATIC_TENSOR),
+    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Layout("channel", DYNAMIC_TOKEN),
+}
+
+
+def _modelopt(algo, kv_algo, skip, source) -> QuantScheme:
+    algo = str(algo).upper()
+    if algo not in _MODELOPT_FP8:
+        raise UnsupportedError(f"{source}: ModelOpt quant_algo={algo!r} is not supported yet; supported: "
+                               f"{sorted(_MODELOPT_FP8)}")
+    kv = "modelopt" if kv_algo is not None and str(kv_algo).upper() == "FP8" else None
+    if kv_algo is not None and kv is None:
+        raise UnsupportedError(f"{source}: ModelOpt kv_cache_quant_algo={kv_algo!r} is not supported; only FP8")
+    return _fp8_scheme(_MODELOPT_FP8[algo], "ModelOpt", skip, kv)
+
+
+def _modelopt_side_file(path: Path) -> QuantScheme | None:
+    try:
+        side = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if side.get("producer", {}).get("name") != "modelopt":
+        return None
+    q = side.get("quantization") or {}
+    return _modelopt(q.get("quant_algo"), q.get("kv_cache_quant_algo"), q.get("exclude_modules") or (), path)
+
+
+def _modelopt_config(config: dict, config_path) -> QuantScheme:
+    kv = config.get("kv_cache_scheme")
+    kv_algo = "FP8" if isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8 else kv
+    return _modelopt(config.get("quant_algo"), kv_algo, config.get("ignore") or (), config_path)
+
+
+def _compressed_tensors(config: dict, config_path) -> QuantScheme:
+    fmt = config.get("format")
+    groups = config.get("config_groups") or {}
+    if fmt != "float-quantized" or len(groups) != 1:
+        raise UnsupportedError(f"{config_path}: compressed-tensors format={fmt!r} with {len(groups)} config group(s) "
+                               f"is not supported yet; supported: 'float-quantized' (FP8) with one group")
+    (group,) = groups.values()
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise UnsupportedError(f"{config_path}: compressed-tensors weights {weights} are not 8-bit float")
+    if inputs is None:
+        raise UnsupportedError(f"{config_path}: fp8 weights with unquantized activations (W8A16) are not supported yet")
+    strategy = weights.get("strategy") or "tensor"
+    activation = _ct_activation(inputs, config_path)
+    if strategy == "block":
+        block = tuple(int(b) for b in weights.get("block_structure") or (128, 128))
+        layout = Fp8Layout("block", activation, block)
+    elif strategy in ("tensor", "channel"):
+        layout = Fp8Layout(strategy, activation)
+    else:
+        raise UnsupportedError(f"{config_path}: compressed-tensors fp8 weight strategy {strategy!r} is not supported")
+    kv = config.get("kv_cache_scheme")
+    skip = list(config.get("ignore") or ())
+    targets = group.get("targets") or []
+    if any(t != "Linear" for t in targets):
+        # Anything not targeted stays dense: express "not matched by a target" as a skip rule.
+        skip.append("re:^(?!" + "|".join(_target_regex(t) for t in targets) + ").*$")
+    return _fp8_scheme(layout, "compressed-tensors", skip, "compressed-tensors" if kv else None)
+
+
+def _target_regex(target: str) -> str:
+    if target == "Linear":
+        return ".*"
+    return target[3:] if target.startswith("re:") else re.escape(target) + "$"
+
+
+def _ct_activation(inputs: dict, config_path) -> str:
+    strategy, dynamic = inputs.get("strategy") or "tensor", inputs.get("dynamic")
+    if dynamic is True and strategy == "token":
+        return DYNAMIC_TOKEN
+    if dynamic is False and strategy == "tensor":
+        return STATIC_TENSOR
+    if dynamic is True and strategy == "group":
+        return DYNAMIC_GROUP
+    raise UnsupportedError(f"{config_path}: compressed-tensors input activations {inputs} are not supported; "
+                           f"supported: dynamic token, static tensor, dynamic group")

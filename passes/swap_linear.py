@@ -8,10 +8,19 @@ import torch.fx
 from .base import GraphPass, target_name
 
 # logical op name -> {(device type, weight dtype kind): (kernel op name, why)}
+_CPU_WHY = "CPU: no fp8 arithmetic; the loader pass widened the weights, Inductor fuses activation quantization around one GEMM"
 KERNEL_TABLE = {
     "qrt.fp8_linear": {
         ("cuda", "fp8"): ("qrt.fp8_linear_triton", "fp8 weights on a GPU: Triton fp8 GEMM, fused per-token x per-channel scaling"),
-        ("cpu", "float"): ("qrt.fp8_linear_cpu", "CPU: no fp8 arithmetic; loader pass widened weights to exact bf16 values, Inductor fuses activation quantization around one GEMM"),
+        ("cpu", "float"): ("qrt.fp8_linear_cpu", _CPU_WHY),
+    },
+    "qrt.fp8_static_linear": {
+        ("cuda", "fp8"): ("qrt.fp8_static_linear_triton", "fp8 weights on a GPU: static input scale, Triton fp8 GEMM"),
+        ("cpu", "float"): ("qrt.fp8_static_linear_cpu", _CPU_WHY),
+    },
+    "qrt.fp8_block_linear": {
+        ("cuda", "fp8"): ("qrt.fp8_block_linear_triton", "block fp8 on a GPU: Triton GEMM with per-block weight and per-group activation scales"),
+        ("cpu", "float"): ("qrt.fp8_block_linear_cpu", "CPU: the loader pass dequantized the blocks; Inductor fuses the group quantization of activations around one GEMM"),
     },
 }
 

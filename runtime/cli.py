@@ -106,7 +106,7 @@ def _inspect(args) -> int:
     if isinstance(checkpoint, SafetensorsCheckpoint):
         _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
     ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
-    scheme = resolve_scheme(hf_config, args.quant, checkpoint.config_path)
+    scheme = resolve_scheme(hf_config, args.quant, checkpoint.config_path, checkpoint.folder)
     print(f"quantization:  {scheme.describe()}")
     model = _compile(args, compile=False, progress=False, path=path).model
     print(f"\nlinear layers on {args.device} after the loader pass:")

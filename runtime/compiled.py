@@ -52,7 +52,7 @@ def compile_model(
     checkpoint = open_checkpoint(path, load_config)
     hf_config = checkpoint.hf_config
     model_cls = ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
-    scheme = resolve_scheme(hf_config, quant, checkpoint.config_path)
+    scheme = resolve_scheme(hf_config, quant, checkpoint.config_path, checkpoint.folder)
     model = load_model(model_cls, checkpoint, scheme, load_config, device_config)
     limit = model.config.max_position_embeddings
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
@@ -106,10 +106,8 @@ class CompiledModel:
         self.compile_seconds: dict[str, float] = {}
         fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
         if compile:
-            # Prompts vary in length; one graph serves them all. Decode is always one token.
             self._fns = {
-                role: torch.compile(_own_copy(fn, f"qrt_{role}"), backend=self.backends[role],
-                                    fullgraph=True, dynamic=(role == "prefill") or None)
+                role: torch.compile(_own_copy(fn, f"qrt_{role}"), backend=self.backends[role], fullgraph=True)
                 for role, fn in fns.items()
             }
         else:
@@ -171,8 +169,13 @@ class CompiledModel:
         seq = ids.shape[1]
         ids = ids.to(self.device)
         positions = torch.arange(seq, dtype=torch.long, device=self.device)
-        # A one-token prompt is a decode step; the prefill graph needs T >= 2.
-        return self._run("decode" if seq == 1 else "prefill", ids, positions)
+        if seq == 1:  # a one-token prompt is a decode step
+            return self._run("decode", ids, positions)
+        # Prompts vary in length: mark it dynamic so one graph serves them all. Only this dim:
+        # `dynamic=True` would also turn Python floats (norm eps, fp8 limits) into graph inputs.
+        torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq_len)
+        torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_seq_len)
+        return self._run("prefill", ids, positions)
 
     def _run(self, role: str, *args) -> torch.Tensor:
         with torch.no_grad(), inductor_config.patch(self._trace_config):
@@ -184,8 +187,8 @@ class CompiledModel:
             started = time.perf_counter()
             if self.progress:
                 print(f"qrt: compiling {role} …", file=sys.stderr, flush=True)
-            ids = torch.zeros(1, length, dtype=torch.long, device=self.device)
-            self._run(role, ids, torch.arange(length, device=self.device))
+            with torch.no_grad():
+                self._prefill(torch.zeros(1, length, dtype=torch.long))
             self.compile_seconds[role] = time.perf_counter() - started
             if self.progress:
                 print(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s", file=sys.stderr)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import UnsupportedError
+from loaders.kv_cache import create_kv_scales, dequantize_kv, quantize_kv
 from loaders.parameters import make_parameter
 from loaders.shards import ShardLayout, copy_rows
 
@@ -125,16 +126,20 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(
             cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias, dtype=dtype,
-            shard_ids=("q", "k", "v"), method=scheme.method_for(f"{prefix}.qkv_proj"),
+            shard_ids=("q", "k", "v"), method=scheme.method_for([f"{prefix}.{p}_proj" for p in "qkv"]),
         )
         self.o_proj = Linear(
             q_size, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.o_proj")
         )
         self.register_buffer("k_cache", None, persistent=False)  # set by allocate_cache
         self.register_buffer("v_cache", None, persistent=False)
+        self.fp8_cache = scheme.kv_cache_fp8 is not None
+        if self.fp8_cache:
+            create_kv_scales(self, scheme.kv_cache_fp8)
 
     def allocate_cache(self, batch: int, length: int, dtype, device) -> None:
         shape = (batch, self.num_kv_heads, length, self.head_dim)  # [B, KVH, S, hd]
+        dtype = torch.float8_e4m3fn if self.fp8_cache else dtype
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -150,9 +155,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is not None:
             k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]
-            k_cache.index_copy_(2, input_pos, k)
-            v_cache.index_copy_(2, input_pos, v)
-            k, v = k_cache, v_cache  # [B, KVH, S, hd]
+            if self.fp8_cache:
+                k_cache.index_copy_(2, input_pos, quantize_kv(k, self.k_scale))
+                v_cache.index_copy_(2, input_pos, quantize_kv(v, self.v_scale))
+                k = dequantize_kv(k_cache, self.k_scale, q.dtype)  # [B, KVH, S, hd]
+                v = dequantize_kv(v_cache, self.v_scale, q.dtype)
+            else:
+                k_cache.index_copy_(2, input_pos, k)
+                v_cache.index_copy_(2, input_pos, v)
+                k, v = k_cache, v_cache  # [B, KVH, S, hd]
         # Grouped-query attention without copying K/V per query head: the G query heads that
         # share a KV head are folded into the query-length axis, and the mask repeated to match.
         group = self.num_heads // self.num_kv_heads
@@ -170,7 +181,7 @@ class GatedMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(
             cfg.hidden_size, [inter, inter], bias=False, dtype=dtype, shard_ids=(0, 1),
-            method=scheme.method_for(f"{prefix}.gate_up_proj"),
+            method=scheme.method_for([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
         )
         self.down_proj = Linear(
             inter, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.down_proj")

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from loaders.kv_cache import KV_SCALE_RENAMES
+
 from .config import ModelConfig
 from .layers import DecoderLayer, Embedding, Linear, RMSNorm, rope_tables
 
@@ -28,6 +30,8 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj.", ".gate_proj.", 0),
         (".gate_up_proj.", ".up_proj.", 1),
     )
+    # Checkpoint names that other exporters give tensors qrt loads under another name.
+    renamed_tensors = KV_SCALE_RENAMES
     # Checkpoint tensors that carry nothing qrt needs (derived buffers some exporters save).
     ignored_tensor_suffixes = ("rotary_emb.inv_freq",)
 
