@@ -5,6 +5,8 @@ on one checkpoint, in one run.
     python bench/decode.py PATH --quant bf16,fp8 --runs 5 --new-tokens 128 --prompt-tokens 32 \\
         --threads 2 --json out.json
     python bench/decode.py --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
+    python bench/decode.py --checkpoint hf-fp8=/tmp/smol-fp8   # also a pre-quantized copy, as stored
+                                                              # (made by bench/export_fp8.py)
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows 2-thread decode by several
 times (the script prints the load average and warns when it is high). Every engine gets the same
@@ -25,7 +27,9 @@ Figures:
   Each run's whole generate minus the *median* prefill: prefill is short and noisy, and pairing
   each run with its own prefill would add that noise to every decode figure.
 - Each figure is the median of --runs timed runs, after one untimed warm-up run, with [min–max].
-- ×HF: decode tok/s over transformers eager's; ×bf16: qrt fp8 over qrt bf16.
+- ×HF: decode tok/s over transformers eager's; ×bf16: each fp8 variant over qrt bf16.
+- --checkpoint NAME=PATH adds a pre-quantized copy of the same model, loaded as stored
+  ("qrt NAME (stored)"); it should be the same model, or the comparison means nothing.
 """
 
 import argparse
@@ -60,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=32)
     parser.add_argument("--skip-hf", action="store_true", help="do not measure transformers eager")
+    parser.add_argument("--checkpoint", action="append", default=[], type=named_path, metavar="NAME=PATH",
+                        help="also measure this pre-quantized checkpoint as stored (repeatable)")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the results here")
     return parser.parse_args()
@@ -71,6 +77,13 @@ def parse_quants(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {list(QUANTS)}, got {text!r}")
     return names
+
+
+def named_path(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a checkpoint folder, got {text!r}")
+    return name, Path(path)
 
 
 def positive_int(text: str) -> int:
@@ -139,13 +152,12 @@ def check_length(new_ids, expected: int, engine: str) -> None:
         raise RuntimeError(f"{engine}: generated {len(new_ids)} tokens, expected {expected}")
 
 
-def bench_qrt(path: Path, quant_name: str, ids: list[int], args) -> dict:
+def bench_qrt(path: Path, quant: str | None, engine: str, ids: list[int], args) -> dict:
     from runtime import compile_model
 
-    engine = f"qrt {quant_name}"
     log(f"{engine}: loading")
     started = time.perf_counter()
-    model = compile_model(path, QUANTS[quant_name], warmup=False, progress=False)
+    model = compile_model(path, quant, warmup=False, progress=False)
     load_s = time.perf_counter() - started
     log(f"{engine}: compiling")
     compile_s = wall_time(model.warmup)
@@ -204,7 +216,7 @@ def add_ratios(results: list[dict]) -> None:
     for result in results:
         own = result["decode_tok_s"]["median"]
         result["vs_hf"] = own / decode[HF] if HF in decode and result["engine"] != HF else None
-        is_fp8 = result["engine"] == "qrt fp8"
+        is_fp8 = result["engine"].startswith("qrt") and result["engine"] != "qrt bf16"
         result["vs_qrt_bf16"] = own / decode["qrt bf16"] if is_fp8 and "qrt bf16" in decode else None
 
 
@@ -263,7 +275,8 @@ def main() -> None:
     print(f"{path}: prompt of {len(ids)} tokens, {args.new_tokens} decode steps, {args.runs} runs, "
           f"Inductor cache {'fresh' if fresh_cache else os.environ['TORCHINDUCTOR_CACHE_DIR']}")
 
-    results = [bench_qrt(path, quant, ids, args) for quant in args.quant]
+    results = [bench_qrt(path, QUANTS[name], f"qrt {name}", ids, args) for name in args.quant]
+    results += [bench_qrt(stored, None, f"qrt {name} (stored)", ids, args) for name, stored in args.checkpoint]
     if not args.skip_hf:
         results.append(bench_hf(path, ids, args))
     add_ratios(results)

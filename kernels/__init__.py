@@ -1,11 +1,16 @@
 """Kernels, registered as torch custom ops under the `qrt` namespace.
 
-- `qrt::fp8_linear`: the logical op quantized layers call; its implementation is the
-  plain-torch reference (fp8_reference.py), so eager mode is the oracle.
-- `qrt::fp8_linear_cpu`: the CPU kernel (fp8_cpu.py).
-- `qrt::fp8_linear_triton`: the Triton kernel (fp8_triton.py), registered where Triton imports.
+Each scheme has a logical op that quantized layers call, whose implementation is the plain-torch
+reference (so eager mode is the oracle), and kernel ops the swap pass puts in its place:
 
-Nothing here imports the rest of qrt; passes find these ops by name.
+| logical op (reference)                    | CPU kernel               | GPU kernel (Triton)          |
+|-------------------------------------------|--------------------------|------------------------------|
+| `qrt::fp8_linear` (per-token activations) | `fp8_linear_cpu`         | `fp8_linear_triton`          |
+| `qrt::fp8_static_linear` (static scale)   | `fp8_static_linear_cpu`  | `fp8_static_linear_triton`   |
+| `qrt::fp8_block_linear` (block weights)   | `fp8_block_linear_cpu`   | `fp8_block_linear_triton`    |
+
+The Triton ops are registered where Triton imports. Nothing here imports the rest of qrt;
+passes find these ops by name.
 """
 
 from . import fp8_block, fp8_cpu, fp8_reference, fp8_static  # noqa: F401  (registration side effects)

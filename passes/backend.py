@@ -1,6 +1,9 @@
 """qrt's torch.compile backend: Dynamo graph -> qrt passes -> Inductor."""
 
+import hashlib
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 
 import torch
 from torch._inductor import config as inductor_config
@@ -37,5 +40,18 @@ class QrtBackend:
         # Patched globally for the duration of the compile, not passed as compile_fx's
         # config_patches: the oneDNN weight-prepacking passes read the global config, and with
         # config_patches alone decode ran 25% slower (no prepacked linears).
-        with inductor_config.patch(self.config_patches):
+        with inductor_config.patch(self.config_patches), torch.compiler.config.patch(cache_key_tag=source_tag()):
             return compile_fx(gm, example_inputs)
+
+
+@cache
+def source_tag() -> str:
+    """A hash of qrt's kernel and pass sources, added to Inductor's cache keys: those keys do not
+    cover the Python body of a CompositeImplicitAutograd kernel, so without it an edited CPU
+    kernel could be served from a stale cache entry."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("kernels", "passes"):
+        for path in sorted((root / folder).glob("*.py")):
+            digest.update(path.read_bytes())
+    return "qrt-" + digest.hexdigest()[:16]

@@ -101,8 +101,6 @@ def _inspect(args) -> int:
     hf_config = checkpoint.hf_config
     print(f"checkpoint:    {path}")
     print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
-    stored = hf_config.get("quantization_config")
-    print(f"stored format: {stored.get('quant_method') if isinstance(stored, dict) else 'none (unquantized)'}")
     if isinstance(checkpoint, SafetensorsCheckpoint):
         _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
     ModelRegistry.resolve(hf_config, source=checkpoint.config_path)

@@ -6,7 +6,7 @@ from runtime.cli import main
 def test_inspect_shows_format_layers_and_tensors(llama_dir, capsys):
     assert main(["inspect", str(llama_dir), "--quant", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert "LlamaForCausalLM" in out and "stored format: none" in out
+    assert "LlamaForCausalLM" in out and "quantization:  fp8 (online" in out
     assert "model.layers.0.self_attn.q_proj.weight" in out and "F32" in out
     assert "model.layers.1.mlp.gate_up_proj" in out and "qrt.fp8_linear_cpu" in out
     assert "lm_head" in out and "aten.linear" in out
@@ -43,3 +43,14 @@ def test_dump_writes_a_navigable_folder(llama_dir, tmp_path, capsys):
 def test_generate_reports_invalid_input_without_a_traceback(llama_dir, capsys):
     assert main(["generate", str(llama_dir), "--eager", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     assert "no usable tokenizer" in capsys.readouterr().err
+
+
+def test_inspect_names_a_stored_fp8_format_and_its_kernels(tmp_path, capsys):
+    from fp8_checkpoints import make_fp8_checkpoint
+
+    make_fp8_checkpoint(tmp_path / "ckpt", "hf-fp8-block")
+    assert main(["inspect", str(tmp_path / "ckpt"), "--tensors", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization:  fp8 (HF fp8: block 32x32 weight scales" in out
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in out and "F8_E4M3" in out
+    assert "qrt.fp8_block_linear_cpu" in out and "dequantized with block scales (HF fp8)" in out

@@ -64,6 +64,8 @@ def test_detected_and_matches_the_dequantized_model(family, checkpoints, compile
     # the block CPU kernel runs on bf16-rounded dequantized weights, hence its looser bound.
     assert relative_l2(model(ids), eager(ids)) < (1e-2 if "block" in family else 1e-4)
     model.generate([3, 4, 5], max_new_tokens=3, stop_at_eos=False)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        model.generate(list(range(20, 31)), max_new_tokens=32, stop_at_eos=False)
     assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
     for backend in model.backends.values():
         (swap,) = backend.log.graphs[0].passes
