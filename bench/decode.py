@@ -282,9 +282,8 @@ def main() -> None:
     add_ratios(results)
     print_table(results)
     if args.json:
-        report = {"machine": state, "path": str(path), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  "prompt_ids": ids, "results": results}
-        args.json.write_text(json.dumps(report, indent=2))
+        report = {"machine": state, "path": str(path), "settings": vars(args), "prompt_ids": ids, "results": results}
+        args.json.write_text(json.dumps(report, indent=2, default=str))  # default=str: paths
         print(f"wrote {args.json}")
     if fresh_cache:
         fresh_cache.cleanup()
