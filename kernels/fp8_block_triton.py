@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from kernels.fp8_triton import _check_launchable, _gemm_config, _round_to_e4m3_grid
+from kernels.fp8_triton import _check_launchable, _gemm_config, _round_to_e4m3_grid, grouped_tile
 
 # One quantization program covers this many elements (whole groups of one row): the same 16-byte
 # loads per lane as fp8_triton's row quantizer, 8 groups of 128 per program.
@@ -52,19 +52,7 @@ def _fp8_block_gemm_kernel(
     HAS_BIAS: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order, as in fp8_triton's GEMM: GROUP_M row tiles sweep the column tiles
-    # together so each weight tile is fetched from HBM once per group (L2 reuse for prefill).
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     # Rows and columns past the edge wrap onto valid ones, so operand and scale loads along M and N
     # need no mask; the masked store drops them. int64: M * K and M * N can pass 2**31.

@@ -73,15 +73,11 @@ def _quantize_rows_fp8_kernel(
 
 
 @triton.jit
-def _fp8_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    # Grouped launch order: GROUP_M row tiles sweep the column tiles together, so each weight tile
-    # is fetched from HBM once per group rather than once per row tile (L2 reuse for prefill).
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column offsets ([BLOCK_M], [BLOCK_N]) of this program's output tile.
+
+    Grouped launch order: GROUP_M row tiles sweep the column tiles together, so each weight tile
+    is fetched from HBM once per group rather than once per row tile (L2 reuse for prefill)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -90,9 +86,18 @@ def _fp8_gemm_kernel(
     group_rows = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (pid % pids_per_group) % group_rows
     pid_n = (pid % pids_per_group) // group_rows
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     # Rows and columns past the edge wrap onto valid ones instead of being masked, so loads along
     # M and N stay in bounds and unmasked; the masked store drops them. int64: M * K and M * N
