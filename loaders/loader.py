@@ -9,15 +9,20 @@ from torch import nn
 from tqdm import tqdm
 
 from .config import DeviceConfig, LoadConfig, parse_dtype
-from .errors import CheckpointError, TensorMismatch
+from .errors import CheckpointError, ConfigError, TensorMismatch
 from .parameters import attributes_of, make_parameter
 
 
-def choose_dtype(device_config: DeviceConfig, hf_config: dict) -> torch.dtype:
+def choose_dtype(device_config: DeviceConfig, hf_config: dict, source) -> torch.dtype:
     if device_config.dtype is not None:
         return device_config.dtype
     stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
-    return parse_dtype(stored) if isinstance(stored, str) else torch.bfloat16
+    if stored is None:
+        return torch.bfloat16
+    try:
+        return parse_dtype(stored) if isinstance(stored, str) else parse_dtype(repr(stored))
+    except ValueError as err:
+        raise ConfigError(f"{source}: torch_dtype: {err}; or pass dtype= to compile_model") from None
 
 
 def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_config: DeviceConfig) -> nn.Module:
@@ -25,7 +30,7 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
     repacked for `device_config.device`.
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
-    dtype = choose_dtype(device_config, checkpoint.hf_config)
+    dtype = choose_dtype(device_config, checkpoint.hf_config, checkpoint.config_path)
     with torch.device("meta"):
         model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path)
     materialize(model, device_config.device)

@@ -57,14 +57,38 @@ def checkpoint_files(folder: Path) -> list[Path]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(index, None, f"names shard(s) {missing} that are not in {folder}")
+        _check_shards(files, weight_map)
         return files
     single = folder / SINGLE_NAME
     if single.is_file():
         return [single]
     others = sorted(folder.glob("*.safetensors"))
     if others:
+        _check_shards(others, None)
         return others
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")) if folder.is_dir() else []
+    if pickles:
+        raise CheckpointError(folder, None, (
+            f"holds only PyTorch pickle weights ({', '.join(pickles)}); qrt does not load them, because "
+            f"unpickling can run code from the file. Convert them once, where you trust the file: "
+            f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)"))
     raise CheckpointError(folder, None, f"no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors found")
+
+
+def _check_shards(files: list[Path], weight_map: dict | None) -> None:
+    """Every tensor lives in exactly one shard, the one the index (if any) names."""
+    home: dict[str, Path] = {}
+    for path in files:
+        for entry in read_header(path):
+            if entry.name in home:
+                raise CheckpointError(path, entry.name, f"is also in {home[entry.name].name}; a tensor must "
+                                      f"live in one shard")
+            home[entry.name] = path
+    for name, shard in (weight_map or {}).items():
+        if name not in home or home[name].name != shard:
+            found = f"it is in {home[name].name}" if name in home else "no shard has it"
+            raise CheckpointError(files[0].parent / shard, name, f"listed in {INDEX_NAME} for this shard, "
+                                  f"but {found}")
 
 
 def read_header(path: Path) -> list[TensorEntry]:

@@ -50,6 +50,8 @@ def copy_rows(param, loaded: torch.Tensor, shard_id, *, layout: ShardLayout | No
     """weight_loader for plain tensors: copy (with dtype conversion) into the shard's rows."""
     dst = param.data if layout is None else layout.rows(param.data, shard_id, param.output_dim)
     check_shape(loaded, dst.shape)
-    if not loaded.dtype.is_floating_point:
-        raise TensorMismatch(f"dtype {loaded.dtype}, expected a floating-point tensor")
+    # Any float width converts, but a 1-byte float (fp8) into a wider parameter means the
+    # checkpoint is quantized where qrt expects plain weights: its scale would be lost.
+    if not loaded.dtype.is_floating_point or (loaded.dtype.itemsize == 1 < dst.dtype.itemsize):
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected {dst.dtype} (or another 2- or 4-byte float)")
     dst.copy_(loaded)
