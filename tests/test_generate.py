@@ -72,3 +72,18 @@ def test_sampled_generation_is_reproducible_with_a_seed(llama_dir, compiled):
     a = model.generate([4, 5], max_new_tokens=8, temperature=1.0, top_k=50, seed=3, stop_at_eos=False)
     b = model.generate([4, 5], max_new_tokens=8, temperature=1.0, top_k=50, seed=3, stop_at_eos=False)
     assert a == b
+
+
+def test_broken_tokenizer_files_leave_token_ids_working(llama_dir, tmp_path):
+    import shutil
+
+    import runtime
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, folder)
+    (folder / "tokenizer.json").write_text("{ this is not a tokenizer")
+    with pytest.warns(UserWarning, match="tokenizer files present but unusable"):
+        model = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=32)
+    assert len(model.generate([1, 2, 3], max_new_tokens=2, stop_at_eos=False)) == 2
+    with pytest.raises(ValueError, match="no usable tokenizer.*pass token ids instead"):
+        model.generate("hello")

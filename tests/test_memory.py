@@ -1,35 +1,17 @@
 """Peak resident memory while loading stays near the size of the loaded model."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench.load_memory import measure_load
+
 CONFIG = dict(architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=2816,
               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
               max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16")
 ALLOWANCE_MB = 64  # allocator slack, the largest in-flight tensor and its fp32 copy while quantizing
-
-PROBE = textwrap.dedent("""
-    import json, sys
-    import runtime
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024  # MiB
-
-    before = status("VmRSS:")
-    model = runtime.compile_model(sys.argv[1], quant=sys.argv[2] or None, compile=False,
-                                  progress=False, max_seq_len=16).model
-    size = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
-    print(json.dumps({"peak": status("VmHWM:") - before, "model": size / 2**20}))
-""")
-
 
 @pytest.fixture(scope="module")
 def medium_checkpoint(tmp_path_factory):
@@ -53,11 +35,9 @@ def medium_checkpoint(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("quant", ["", "fp8"])
+@pytest.mark.parametrize("quant", [None, "fp8"])
 def test_peak_memory_while_loading_stays_near_the_model_size(medium_checkpoint, quant):
-    result = subprocess.run([sys.executable, "-c", PROBE, str(medium_checkpoint), quant],
-                            capture_output=True, text=True, check=True)
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"quant={quant or 'none'}: peak {figures['peak']:.0f} MiB over start for a {figures['model']:.0f} MiB model")
-    assert figures["model"] > 200
-    assert figures["peak"] <= 1.3 * figures["model"] + ALLOWANCE_MB
+    figures = measure_load(medium_checkpoint, quant)
+    print(f"quant={quant}: peak {figures['peak_mib']:.0f} MiB over start for a {figures['model_mib']:.0f} MiB model")
+    assert figures["model_mib"] > 200
+    assert figures["peak_mib"] <= 1.3 * figures["model_mib"] + ALLOWANCE_MB
