@@ -13,6 +13,7 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate
               max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16")
 ALLOWANCE_MB = 64  # allocator slack, the largest in-flight tensor and its fp32 copy while quantizing
 
+
 @pytest.fixture(scope="module")
 def medium_checkpoint(tmp_path_factory):
     """A ~230 MB bf16 Llama checkpoint: large enough that a second copy of it would show."""
