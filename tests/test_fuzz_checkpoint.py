@@ -138,3 +138,13 @@ def test_index_entry_missing_from_its_shard_and_duplicates_across_shards(llama_d
     save_file({n: tensors[n] for n in second + first[:1]}, str(folder / "b.safetensors"))
     with pytest.raises(QrtError, match=rf"tensor '{first[0]}': is also in a.safetensors"):
         runtime.compile_model(folder, compile=False, progress=False)
+
+
+def test_index_naming_a_missing_shard(llama_dir, tmp_path):
+    folder = _copy(llama_dir, tmp_path / "ckpt")
+    names = load_file(str(folder / "model.safetensors"))
+    weight_map = {name: "model.safetensors" for name in names}
+    weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(QrtError, match=r"index.json: names shard\(s\) \['model-00002-of-00002.safetensors'\]"):
+        runtime.compile_model(folder, compile=False, progress=False)
