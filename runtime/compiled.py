@@ -151,18 +151,17 @@ class CompiledModel:
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         seq = ids.shape[1]
         new_ids: list[int] = []
-        with torch.no_grad():
-            logits = self._prefill(ids)
-            for step in range(max_new_tokens):
-                token = sample(logits[:, -1], params, generator)  # [1]
-                token_id = int(token)
-                new_ids.append(token_id)
-                if stream is not None:
-                    stream(token_id)
-                if (stop_at_eos and token_id in self.eos_ids) or step == max_new_tokens - 1:
-                    break
-                position = torch.tensor([seq + step], dtype=torch.long, device=self.device)
-                logits = self._run("decode", token.view(1, 1), position)
+        logits = self._prefill(ids)
+        for step in range(max_new_tokens):
+            token = sample(logits[:, -1], params, generator)  # [1]
+            token_id = int(token)
+            new_ids.append(token_id)
+            if stream is not None:
+                stream(token_id)
+            if (stop_at_eos and token_id in self.eos_ids) or step == max_new_tokens - 1:
+                break
+            position = torch.tensor([seq + step], dtype=torch.long, device=self.device)
+            logits = self._run("decode", token.view(1, 1), position)
         return new_ids
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -187,8 +186,7 @@ class CompiledModel:
             started = time.perf_counter()
             if self.progress:
                 print(f"qrt: compiling {role} …", file=sys.stderr, flush=True)
-            with torch.no_grad():
-                self._prefill(torch.zeros(1, length, dtype=torch.long))
+            self._prefill(torch.zeros(1, length, dtype=torch.long))
             self.compile_seconds[role] = time.perf_counter() - started
             if self.progress:
                 print(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s", file=sys.stderr)
