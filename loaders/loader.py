@@ -84,7 +84,8 @@ def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress:
             param = params.get(param_name)
             if param is None or getattr(param, "weight_loader", None) is None:
                 raise CheckpointError(path, name, f"unexpected tensor: {type(model).__name__} has no "
-                                      f"parameter it loads into (looked for '{param_name}')")
+                                      f"parameter it loads into (looked for '{param_name}')"
+                                      f"{_expected_here(model, param_name)}")
             if shard_id in loaded[param_name]:
                 raise CheckpointError(path, name, "appears more than once in the checkpoint")
             try:
@@ -93,6 +94,20 @@ def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress:
                 raise CheckpointError(path, name, f"{err} (loading into '{param_name}')") from None
             loaded[param_name].add(shard_id)
     _check_complete(model, params, loaded, where)
+
+
+def _expected_here(model, param_name: str) -> str:
+    """For an unexpected tensor of a quantized layer: which tensors that layer's format loads."""
+    module_name = param_name.rpartition(".")[0]
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return ""
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return ""
+    names = [name for name, p in module.named_parameters(recurse=False) if getattr(p, "weight_loader", None)]
+    return f"; the quantization config makes '{module_name}' a {method.name!r}-format layer, which loads {names}"
 
 
 def _expected_shards(model, param_name: str) -> set:
@@ -104,8 +119,8 @@ def _expected_shards(model, param_name: str) -> set:
 def _check_complete(model, params: dict, loaded: dict, where: Path) -> None:
     missing = []
     for name, param in params.items():
-        if getattr(param, "weight_loader", None) is None:
-            continue  # derived while loading (e.g. online fp8 scales)
+        if getattr(param, "weight_loader", None) is None or getattr(param, "optional", False):
+            continue  # derived while loading (e.g. online fp8 scales), or checked by the loader pass
         for shard_id in sorted(_expected_shards(model, name) - loaded[name], key=str):
             missing.append(name if shard_id is None else f"{name} (shard {shard_id!r})")
     if missing:
@@ -121,10 +136,11 @@ def fill_random(model: nn.Module, seed: int) -> None:
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             continue
+        shape = getattr(param, "loaded_shape", param.shape)
         if name.endswith("norm.weight"):
-            values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+            values = 1.0 + 0.1 * torch.randn(shape, generator=generator)
         else:
-            values = 0.02 * torch.randn(param.shape, generator=generator)
+            values = 0.02 * torch.randn(shape, generator=generator)
         loader(param, values.to(param.device), None)
 
 

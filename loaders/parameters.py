@@ -19,6 +19,8 @@ KNOWN_ATTRIBUTES = frozenset(
         "quant_format",  # e.g. "fp8", "bf16"
         "storage_layout",  # storage layout after the loader pass, e.g. "fp8_e4m3 [N, K]"
         "kernel",  # kernel the layout was made for, set by the loader pass
+        "optional",  # loaded when the checkpoint has it; the format's loader pass decides if it must
+        "loaded_shape",  # shape of the tensor the weight_loader takes, when not the parameter's own
     }
 )
 

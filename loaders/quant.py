@@ -9,37 +9,51 @@ import json
 import re
 from pathlib import Path
 
+from .awq import AwqLinearMethod, awq_config
+from .ct_int import CtIntLinearMethod, ct_int_config
 from .errors import ConfigError, UnsupportedError
 from .fp8 import Fp8OnlineLinearMethod
 from .fp8_checkpoint import DYNAMIC_GROUP, DYNAMIC_TOKEN, STATIC_TENSOR, Fp8CheckpointLinearMethod, Fp8Layout
+from .gptq import GptqLinearMethod, dynamic_rules, gptq_config
+from .int_online import OnlineIntLinearMethod
 from .unquantized import UnquantizedLinearMethod
 
-# quant= values qrt applies to an unquantized checkpoint while loading it.
-ONLINE_METHODS = {"fp8": Fp8OnlineLinearMethod}
-ALWAYS_DENSE = ("lm_head", "embed_tokens")
+# quant= values qrt applies to an unquantized checkpoint while loading it:
+# name -> (method factory taking the layer's checkpoint module names, description).
+ONLINE_METHODS = {
+    "fp8": (lambda names: Fp8OnlineLinearMethod(), "e4m3 weights per channel, activations per token"),
+    "int4": (lambda names: OnlineIntLinearMethod(4), "4-bit weights, asymmetric groups of 128, bf16 activations"),
+    "int8": (lambda names: OnlineIntLinearMethod(8), "8-bit weights per channel, bf16 activations"),
+}
+# Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json.
+QUANT_SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
 
 class QuantScheme:
-    """name: "none", an online format, or a stored format; `skip`: module patterns kept dense."""
+    """name: "none", an online format, or a stored format; `make_method(module_names)`: the
+    LinearMethod of a quantized layer; `skip`: module patterns kept dense."""
 
-    def __init__(self, name: str, make_method=None, skip=(), description: str = "", kv_cache_fp8: str | None = None):
+    def __init__(self, name: str, make_method=None, skip=(), description: str = "", kv_cache_fp8: str | None = None,
+                 quantized_lm_head: bool = False):
         self.name = name
         self.make_method = make_method
         self.skip = tuple(skip)
         self.description = description
         self.kv_cache_fp8 = kv_cache_fp8  # None, or the family whose k_scale/v_scale convention applies
+        self.quantized_lm_head = quantized_lm_head  # the checkpoint stores lm_head quantized too
 
     def method_for(self, module_names):
         """The LinearMethod for a layer made of the checkpoint modules `module_names`."""
         if isinstance(module_names, str):
             module_names = [module_names]
-        if self.make_method is None or any(n.endswith(ALWAYS_DENSE) for n in module_names):
+        dense = ("embed_tokens",) if self.quantized_lm_head else ("lm_head", "embed_tokens")
+        if self.make_method is None or any(n.endswith(dense) for n in module_names):
             return UnquantizedLinearMethod()
         skipped = {any(_matches(name, pattern) for pattern in self.skip) for name in module_names}
         if len(skipped) > 1:
             raise UnsupportedError(f"the shards {module_names} are quantized differently (some are in the ignore "
                                    f"list, some not); qrt runs them as one fused layer and cannot mix them")
-        return UnquantizedLinearMethod() if skipped.pop() else self.make_method()
+        return UnquantizedLinearMethod() if skipped.pop() else self.make_method(list(module_names))
 
     def describe(self) -> str:
         return self.description or self.name
@@ -72,34 +86,87 @@ def resolve_scheme(hf_config: dict, quant: str | None, config_path, folder=None)
         raise UnsupportedError(
             f"quant={quant!r} is not supported; choose None (as stored) or one of {sorted(ONLINE_METHODS)}"
         )
-    return QuantScheme(quant, ONLINE_METHODS[quant],
-                       description=f"{quant} (online: quantized while loading; lm_head and embeddings kept)")
+    make_method, what = ONLINE_METHODS[quant]
+    return QuantScheme(quant, make_method,
+                       description=f"{quant} (online: {what}; quantized while loading; lm_head and embeddings kept)")
 
 
 def detect_stored_scheme(hf_config: dict, config_path, folder=None) -> QuantScheme | None:
     stored = hf_config.get("quantization_config")
-    side_file = Path(folder) / "hf_quant_config.json" if folder is not None else None
-    if stored is None and side_file is not None and side_file.is_file():
-        return _modelopt_side_file(side_file)
+    if stored is None and folder is not None:
+        return _side_file_scheme(Path(folder))
     if stored is None:
         return None
     if not isinstance(stored, dict) or "quant_method" not in stored:
         raise ConfigError(f"{config_path}: quantization_config has no 'quant_method'")
-    method = str(stored["quant_method"]).lower()
-    readers = {"fp8": _hf_fp8, "modelopt": _modelopt_config, "compressed-tensors": _compressed_tensors}
+    return _read_quant_config(stored, str(stored["quant_method"]).lower(), config_path)
+
+
+def _read_quant_config(config: dict, method: str, source) -> QuantScheme:
+    readers = {"fp8": _hf_fp8, "modelopt": _modelopt_config, "compressed-tensors": _compressed_tensors,
+               "gptq": _gptq, "awq": _awq}
     if method not in readers:
         raise UnsupportedError(
-            f"{config_path}: the checkpoint is pre-quantized with quant_method={method!r}, which this version "
-            f"of qrt cannot load yet; supported: {sorted(readers)} (FP8), and unquantized checkpoints"
+            f"{source}: the checkpoint is pre-quantized with quant_method={method!r}, which this version "
+            f"of qrt cannot load yet; supported: {sorted(readers)}, and unquantized checkpoints"
         )
-    return readers[method](stored, config_path)
+    return readers[method](config, source)
+
+
+def _side_file_scheme(folder: Path) -> QuantScheme | None:
+    modelopt = folder / "hf_quant_config.json"
+    if modelopt.is_file():
+        return _modelopt_side_file(modelopt)
+    for name in QUANT_SIDE_FILES:
+        path = folder / name
+        if path.is_file():
+            config = _read_json(path)
+            # AutoAWQ's side file says zero_point/version; AutoGPTQ's says neither.
+            awq = "zero_point" in config or "version" in config
+            return _read_quant_config(config, str(config.get("quant_method", "awq" if awq else "gptq")).lower(), path)
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
+
+
+def _gptq(config: dict, source) -> QuantScheme:
+    base = gptq_config(config, source)
+    skip, overrides = dynamic_rules(config, base, source)
+    blocks = config.get("modules_in_block_to_quantize")
+    if blocks:
+        names = "|".join(re.escape(name) for group in blocks for name in group)
+        skip.append(rf"re:.*\.layers\.\d+\.(?!(?:{names})$)")  # layer modules not listed stay dense
+
+    def make(module_names):
+        chosen = {next((cfg for pattern, cfg in overrides if re.match(pattern, name)), base) for name in module_names}
+        if len(chosen) > 1:
+            raise UnsupportedError(f"{source}: GPTQ dynamic rules give the fused shards {module_names} different "
+                                   f"settings; qrt runs them as one matmul")
+        return GptqLinearMethod(chosen.pop(), module_names)
+
+    return QuantScheme("gptq", make, skip, base.describe(), quantized_lm_head=bool(config.get("lm_head", False)))
+
+
+def _awq(config: dict, source) -> QuantScheme:
+    cfg = awq_config(config, source)
+    # modules_to_not_convert entries match as substrings of module names.
+    skip = ["re:.*" + re.escape(name) for name in config.get("modules_to_not_convert") or ()]
+    return QuantScheme("awq", lambda names: AwqLinearMethod(cfg, names), skip, cfg.describe())
 
 
 def _fp8_scheme(layout: Fp8Layout, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
     block = f" {layout.block[0]}x{layout.block[1]}" if layout.block else ""
     description = f"fp8 ({family}: {layout.weight}{block} weight scales, {layout.activation} activations"
     description += ", fp8 KV cache)" if kv_cache_fp8 else ")"
-    return QuantScheme("fp8", lambda: Fp8CheckpointLinearMethod(layout, family), skip, description, kv_cache_fp8)
+    return QuantScheme("fp8", lambda names: Fp8CheckpointLinearMethod(layout, family), skip, description, kv_cache_fp8)
 
 
 def _hf_fp8(config: dict, config_path) -> QuantScheme:
@@ -136,10 +203,7 @@ def _modelopt(algo, kv_algo, skip, source) -> QuantScheme:
 
 
 def _modelopt_side_file(path: Path) -> QuantScheme | None:
-    try:
-        side = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    side = _read_json(path)
     if side.get("producer", {}).get("name") != "modelopt":
         return None
     q = side.get("quantization") or {}
@@ -153,13 +217,33 @@ def _modelopt_config(config: dict, config_path) -> QuantScheme:
 
 
 def _compressed_tensors(config: dict, config_path) -> QuantScheme:
-    fmt = config.get("format")
     groups = config.get("config_groups") or {}
-    if fmt != "float-quantized" or len(groups) != 1:
-        raise UnsupportedError(f"{config_path}: compressed-tensors format={fmt!r} with {len(groups)} config group(s) "
-                               f"is not supported yet; supported: 'float-quantized' (FP8) with one group")
+    if len(groups) != 1:
+        raise UnsupportedError(f"{config_path}: compressed-tensors with {len(groups)} config groups is not supported "
+                               f"yet; supported: one group")
     (group,) = groups.values()
+    fmt = group.get("format") or config.get("format")
+    sparsity = (config.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity != "dense":
+        raise UnsupportedError(f"{config_path}: compressed-tensors sparsity format {sparsity!r} is not supported yet")
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    skip = list(config.get("ignore") or ())
+    targets = group.get("targets") or []
+    if any(t != "Linear" for t in targets):
+        # Anything not targeted stays dense: express "not matched by a target" as a skip rule.
+        skip.append("re:^(?!" + "|".join(_target_regex(t) for t in targets) + ").*$")
+    if weights.get("type") == "int":
+        if inputs is not None:
+            raise UnsupportedError(f"{config_path}: compressed-tensors int weights with quantized activations "
+                                   f"(W8A8, W4A8) are not supported yet; weight-only int (W4A16, W8A16) is")
+        if fmt not in ("pack-quantized", "naive-quantized", "int-quantized"):
+            raise UnsupportedError(f"{config_path}: compressed-tensors format {fmt!r} with int weights is not "
+                                   f"supported; supported: pack-quantized, naive-quantized, int-quantized")
+        cfg = ct_int_config(fmt, weights, config_path)
+        return QuantScheme("compressed-tensors", lambda names: CtIntLinearMethod(cfg, names), skip, cfg.describe())
+    if fmt != "float-quantized":
+        raise UnsupportedError(f"{config_path}: compressed-tensors format={fmt!r} is not supported yet; supported: "
+                               f"'float-quantized' (FP8), 'pack-quantized' and 'naive-quantized' (int weight-only)")
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise UnsupportedError(f"{config_path}: compressed-tensors weights {weights} are not 8-bit float")
     if inputs is None:
@@ -174,11 +258,6 @@ def _compressed_tensors(config: dict, config_path) -> QuantScheme:
     else:
         raise UnsupportedError(f"{config_path}: compressed-tensors fp8 weight strategy {strategy!r} is not supported")
     kv = config.get("kv_cache_scheme")
-    skip = list(config.get("ignore") or ())
-    targets = group.get("targets") or []
-    if any(t != "Linear" for t in targets):
-        # Anything not targeted stays dense: express "not matched by a target" as a skip rule.
-        skip.append("re:^(?!" + "|".join(_target_regex(t) for t in targets) + ").*$")
     return _fp8_scheme(layout, "compressed-tensors", skip, "compressed-tensors" if kv else None)
 
 

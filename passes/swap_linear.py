@@ -22,6 +22,15 @@ KERNEL_TABLE = {
         ("cuda", "fp8"): ("qrt.fp8_block_linear_triton", "block fp8 on a GPU: Triton GEMM with per-block weight and per-group activation scales"),
         ("cpu", "float"): ("qrt.fp8_block_linear_cpu", "CPU: the loader pass dequantized the blocks; Inductor fuses the group quantization of activations around one GEMM"),
     },
+    "qrt.int_linear": {
+        ("cuda", "int"): ("qrt.int_linear_triton", "integer weights on a GPU: Triton GEMM unpacking and dequantizing the weight tile in registers"),
+    },
+}
+# Kernel ops a layer calls directly, because the loader pass already packed its weights in the
+# kernel's own opaque layout: nothing to swap, but they are listed with the choices.
+DIRECT_KERNELS = {
+    "qrt.int4pack_linear": "CPU: the loader pass packed the 4-bit weights for ATen's int4 matmul",
+    "qrt.int8pack_linear": "CPU: the loader pass stored int8 weights for ATen's int8 matmul",
 }
 
 
@@ -37,7 +46,9 @@ class KernelChoice:
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:
-    return "fp8" if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else "float"
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "fp8"
+    return "float" if dtype.is_floating_point else "int"
 
 
 def _example(node) -> torch.Tensor | None:
@@ -64,14 +75,17 @@ class SwapQuantizedLinear(GraphPass):
                 continue
             logical = target_name(node.target)
             table = KERNEL_TABLE.get(logical)
-            if table is None:
+            if table is None and logical not in DIRECT_KERNELS:
                 continue
             x, weight = _example(node.args[0]), _example(node.args[1])
             if x is None or weight is None:
                 report.kernel_choices.append(KernelChoice(node.name, logical, logical, "no shape metadata; kept reference", (), "?", "?"))
                 continue
             key = (x.device.type, _dtype_kind(weight.dtype))
-            kernel, reason = table.get(key, (logical, f"no kernel for {key}; kept the reference op"))
+            if table is None:
+                kernel, reason = logical, DIRECT_KERNELS[logical]
+            else:
+                kernel, reason = table.get(key, (logical, f"no kernel for {key}; kept the reference op"))
             if kernel != logical:
                 op = _resolve_op(kernel)
                 if op is None:

@@ -1,0 +1,91 @@
+"""CPU kernels for integer weight-only linears, on ATen's packed int4 and int8 matmuls.
+
+ATen's CPU kernels want their own layouts and conventions, which the loader pass produces from
+the canonical layout (int_reference.py) with the `pack_*` functions below:
+
+- `qrt::int4pack_linear`: `_weight_int4pack_mm_for_cpu`, 4-bit weights in groups of 32, 64, 128
+  or 256 along K (N a multiple of 16). Its dequantization is W = (q - 8) * scale + offset, a float
+  offset per group rather than an integer zero point; (q - z) * s = (q - 8) * s + (8 - z) * s,
+  so offset = (8 - z) * s.
+- `qrt::int8pack_linear`: `_weight_int8pack_mm`, signed int8 weights with one scale per output
+  channel and no zero point. An asymmetric channel (zero point z != 128 in unsigned units) becomes
+  (q - 128) * s - (z - 128) * s: the second term times sum(x) is subtracted after the matmul.
+
+Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the ATen call and
+fuses the gathers, corrections and bias around it. Scales must have the activations' dtype (ATen
+requires it), so they are rounded to the model dtype once, at load time.
+"""
+
+import torch
+
+from .int_reference import unpack_rows
+
+INT4_CPU_GROUPS = (256, 128, 64, 32)
+
+_lib = torch.library.Library("qrt", "FRAGMENT")
+_lib.define(
+    "int4pack_linear(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? perm, Tensor? bias, int group_size) -> Tensor"
+)
+_lib.define("int8pack_linear(Tensor x, Tensor weight, Tensor scales, Tensor? zero_terms, Tensor? bias) -> Tensor")
+
+
+def int4_cpu_group(k: int, n: int, group_size: int) -> int | None:
+    """The group size the int4 CPU kernel can run a [K, N] weight with, or None if it cannot.
+
+    A coarser group is split into finer ones that repeat its scale and zero (exact), so a weight
+    with groups of G runs with the largest supported size dividing both G and K."""
+    if n % 16:
+        return None
+    return next((g for g in INT4_CPU_GROUPS if group_size % g == 0 and k % g == 0), None)
+
+
+def pack_int4_for_cpu(qweight, scales, zeros, group_size: int, k: int, cpu_group: int, dtype):
+    """Canonical 4-bit layout -> (packed uint8 [N, K / 2] in ATen's CPU layout,
+    scale_offsets [K / cpu_group, N, 2] in `dtype`)."""
+    q = unpack_rows(qweight, 4, k)  # [K, N] int32 in [0, 16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous(), 1)
+    # Row j of the finer grid belongs to group (j * cpu_group) // group_size of the checkpoint.
+    source = torch.arange(k // cpu_group) * cpu_group // group_size  # [K / cpu_group]
+    s, z = scales.float()[source], zeros.float()[source]  # [K / cpu_group, N] fp32
+    scale_offsets = torch.stack([s, (8.0 - z) * s], dim=-1).to(dtype)  # [K / cpu_group, N, 2]
+    return packed, scale_offsets
+
+
+def pack_int8_for_cpu(qweight, scales, zeros, k: int, dtype):
+    """Canonical 8-bit per-channel layout -> (int8 [N, K], scales [N], zero_terms [N] or None),
+    scales and zero terms in `dtype`; zero_terms is None when every zero point is 128."""
+    q = unpack_rows(qweight, 8, k)  # [K, N] int32 in [0, 256)
+    weight = (q - 128).t().contiguous().to(torch.int8)  # [N, K]
+    s, z = scales.float()[0], zeros.float()[0]  # [N] fp32: one group spans K
+    zero_terms = None if bool((z == 128).all()) else ((z - 128.0) * s).to(dtype)
+    return weight, s.to(dtype), zero_terms
+
+
+def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):
+    """x: [..., K] in scale_offsets' dtype; packed: uint8 [N, K / 2]. Returns [..., N]."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scale_offsets)  # [M, N]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def int8pack_linear(x, weight, scales, zero_terms, bias):
+    """x: [..., K] in scales' dtype; weight: int8 [N, K]. Returns [..., N]."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    out = torch.ops.aten._weight_int8pack_mm(x2, weight, scales)  # [M, N]
+    if zero_terms is not None:
+        # Summed in fp32: sum(x) over thousands of channels loses digits in bf16.
+        correction = x2.float().sum(dim=-1, keepdim=True) * zero_terms.float()  # [M, N]
+        out = (out.float() - correction).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_lib.impl("int4pack_linear", int4pack_linear, "CompositeImplicitAutograd")
+_lib.impl("int8pack_linear", int8pack_linear, "CompositeImplicitAutograd")

@@ -1,0 +1,97 @@
+"""Plain-torch reference for integer weight-only linears (W4A16, W8A16, W2A16) and the
+logical op `qrt::int_linear` that those layers call.
+
+Every integer checkpoint format (GPTQ, AWQ, compressed-tensors) is converted by its loader pass
+into one canonical layout, which this reference and the GPU kernel read:
+
+- qweight: int32 [ceil(K / pf), N], pf = 32 // bits values per word, packed along K
+  LSB-first (input channel k of column n sits at word k // pf, bits bits * (k % pf)). Values
+  are unsigned, in [0, 2**bits).
+- scales, zeros: [ceil(K / G), N] floats, one row per group of G consecutive input channels (the
+  last group may be partial). zeros are zero points in integer units, so
+  W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n].
+- perm: int64 [K] or None. Act-order checkpoints have their input channels reordered so that
+  groups are contiguous; the activation columns are then gathered with `perm` to match.
+"""
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def pack_factor(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{bits}-bit integer weights are not supported; supported: {SUPPORTED_BITS}")
+    return 32 // bits
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned `bits`-wide values along dim 0, LSB-first, into int32 words.
+
+    values: [R, C] integers in [0, 2**bits). Returns int32 [ceil(R / pf), C]; the tail of the
+    last word is zero.
+    """
+    pf = pack_factor(bits)
+    rows, cols = values.shape
+    padded = torch.zeros(-(-rows // pf) * pf, cols, dtype=torch.int64, device=values.device)
+    padded[:rows] = values.to(torch.int64)
+    shifts = (torch.arange(pf, device=values.device, dtype=torch.int64) * bits)[None, :, None]
+    words = (padded.view(-1, pf, cols) << shifts).sum(dim=1)  # [R / pf, C], fields never overlap
+    return _as_int32(words)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """Inverse of `pack_rows`: int32 [ceil(rows / pf), C] -> int32 [rows, C] unsigned values."""
+    pf = pack_factor(bits)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # read each word as unsigned
+    shifts = (torch.arange(pf, device=packed.device, dtype=torch.int64) * bits)[None, :, None]
+    fields = (words[:, None, :] >> shifts) & ((1 << bits) - 1)  # [R / pf, pf, C]
+    return fields.reshape(-1, packed.shape[1])[:rows].to(torch.int32)
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 holding uint32 bit patterns -> the same bits as int32 (two's-complement wrap)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def dequantize_int(qweight, scales, zeros, bits: int, group_size: int, k: int) -> torch.Tensor:
+    """The canonical layout's weight as fp32 [K, N] (transposed, K-major, as stored)."""
+    q = unpack_rows(qweight, bits, k).float()  # [K, N]
+    group = torch.arange(k, device=qweight.device) // group_size  # [K] group of each input channel
+    return (q - zeros.float()[group]) * scales.float()[group]
+
+
+def int_linear_reference(x, qweight, scales, zeros, perm, bias, bits: int, group_size: int) -> torch.Tensor:
+    """y = x[..., perm] @ W + bias, with W dequantized in fp32 and the product summed in fp32.
+
+    x: [..., K] bf16/fp16/fp32. Returns [..., N] in x.dtype.
+    """
+    k = x.shape[-1]
+    w = dequantize_int(qweight, scales, zeros, bits, group_size, k)  # [K, N] fp32
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    out = x2 @ w
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[1])
+
+
+@torch.library.custom_op("qrt::int_linear", mutates_args=())
+def int_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    perm: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Logical integer weight-only linear op (canonical layout, see the module docstring)."""
+    return int_linear_reference(x, qweight, scales, zeros, perm, bias, bits, group_size)
+
+
+@int_linear.register_fake
+def _(x, qweight, scales, zeros, perm, bias, bits, group_size):
+    return x.new_empty(*x.shape[:-1], qweight.shape[1])

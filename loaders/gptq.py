@@ -1,0 +1,170 @@
+"""GPTQ checkpoints (AutoGPTQ, GPTQModel, transformers/optimum exports), 2/4/8-bit.
+
+Tensors per linear (FORMATS.md §1): `qweight` int32 [K / pf, N] packed along K, `qzeros` int32
+[groups, N / pf] packed along N, `scales` [groups, N], `g_idx` int32 [K] (act-order), all
+LSB-first. W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k].
+
+Zero points: v1 files (`checkpoint_format: gptq`, the default) store z - 1, v2 files store z.
+v1 is read by adding 1 to every field with one word-wide addition (0x11111111 for 4-bit). That
+is what GPTQModel's exporter subtracted, borrows included, so asymmetric files whose zero was 0
+come back exactly; for every other file it equals adding 1 per field.
+"""
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+
+from kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
+
+from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
+from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights,
+                          remove_parameters, scaled_shards)
+from .parameters import make_parameter
+from .shards import check_shape, copy_rows
+
+_CHECKPOINT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    bits: int
+    group_size: int  # -1: one group per output channel
+    desc_act: bool
+    sym: bool
+    v2: bool  # zero points stored as they are (GPTQModel's gptq_v2)
+    source: str = "config.json"
+
+    def describe(self) -> str:
+        group = "channel" if self.group_size == -1 else f"g{self.group_size}"
+        extra = (", act-order" if self.desc_act else "") + ("" if self.sym else ", asymmetric")
+        return f"GPTQ{' v2' if self.v2 else ''} {self.bits}-bit {group}{extra}"
+
+
+def _load_g_idx(param, loaded, shard_id, *, layer):
+    """g_idx of one shard: fused shards quantized from the same input must agree (checked later)."""
+    if loaded.dtype not in (torch.int32, torch.int64):
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected int32 group indices")
+    check_shape(loaded, param.shape[1:], "g_idx")
+    shards = layer.shard_layout
+    slot = 0 if shards is None else shards.shard_ids.index(shard_id)
+    param.data[slot] = loaded
+    layer.loaded_g_idx.add(shard_id)
+
+
+def _zero_point_increment(bits: int) -> int:
+    """A 1 in every bits-wide field of an int32 word: 0x11111111 for 4-bit."""
+    return sum(1 << (bits * i) for i in range(32 // bits))
+
+
+class GptqLinearMethod:
+    name = "gptq"
+
+    def __init__(self, cfg: GptqConfig, module_names):
+        self.cfg = cfg
+        self.module_names = list(module_names)
+        self.layout = None  # chosen by the loader pass
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        cfg, n, k = self.cfg, layer.output_size, layer.input_size
+        pf = pack_factor(cfg.bits)
+        group = k if cfg.group_size == -1 else cfg.group_size
+        groups = group_count(k, group)
+        if k % pf:
+            raise UnsupportedError(f"{self.module_names[0]}: {k} input channels do not fill whole int32 words of "
+                                   f"{pf} {cfg.bits}-bit values")
+        shards = layer.shard_layout
+        common = dict(quant_format=self.name)
+        layer.qweight = make_parameter(
+            torch.empty(k // pf, n, dtype=torch.int32),  # [K / pf, N], pf values along K per word
+            weight_loader=partial(copy_ints, layout=shards, dtype=torch.int32),
+            input_dim=0, output_dim=1, packed_dim=0, packed_factor=pf, **common,
+        )
+        if n % pf:
+            raise UnsupportedError(f"{self.module_names[0]}: {n} output channels do not fill whole int32 words of "
+                                   f"{pf} zero points")
+        layer.qzeros = make_parameter(
+            torch.empty(groups, n // pf, dtype=torch.int32),  # [groups, N / pf], pf zero points along N per word
+            weight_loader=partial(copy_ints, layout=scaled_shards(layer, pf, "GPTQ qzeros"), dtype=torch.int32),
+            output_dim=1, packed_dim=1, packed_factor=pf, **common,
+        )
+        layer.scales = make_parameter(
+            torch.empty(groups, n, dtype=torch.float32),  # [groups, N]; fp16/bf16 on disk, held exactly
+            weight_loader=partial(copy_rows, layout=shards), output_dim=1, **common,
+        )
+        slots = 1 if shards is None else len(shards.shard_ids)
+        layer.loaded_g_idx = set()
+        layer.g_idx = make_parameter(
+            torch.empty(slots, k, dtype=torch.int32),  # [shards, K]: one row per fused shard
+            weight_loader=partial(_load_g_idx, layer=layer), optional=True, **common,
+        )
+        if layer.has_bias:
+            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
+                                        output_dim=0, **common)
+
+    def process_after_loading(self, layer, device: torch.device) -> None:
+        cfg, n, k = self.cfg, layer.output_size, layer.input_size
+        q = unpack_rows(layer.qweight.data, cfg.bits, k)  # [K, N]
+        words = layer.qzeros.data
+        if not cfg.v2:
+            words = (words.to(torch.int64) + _zero_point_increment(cfg.bits)) & 0xFFFFFFFF  # mod 2**32
+        zeros = unpack_rows(words.t().contiguous(), cfg.bits, n).t()  # [groups, N]
+        weights = IntWeights(q, layer.scales.data, zeros.float(), cfg.bits, k if cfg.group_size == -1 else cfg.group_size,
+                             self._g_idx(layer))
+        remove_parameters(layer, *_CHECKPOINT_TENSORS)
+        self.layout = install_int_weights(layer, weights, device, cfg.describe())
+
+    def _g_idx(self, layer) -> torch.Tensor | None:
+        expected = {None} if layer.shard_layout is None else set(layer.shard_layout.shard_ids)
+        if layer.loaded_g_idx != expected:
+            if self.cfg.desc_act and self.cfg.group_size != -1:
+                raise CheckpointError(self.cfg.source, f"{self.module_names[0]}.g_idx",
+                                      "missing, but the quantization config says desc_act=true (act-order), "
+                                      "which needs each layer's group indices")
+            return None
+        rows = layer.g_idx.data  # [shards, K]
+        if not (rows == rows[0]).all():
+            raise UnsupportedError(f"{self.module_names}: the fused shards have different g_idx; qrt runs them as "
+                                   f"one matmul and needs one input-channel order")
+        return rows[0]
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size
+        return apply_int_layout(self.layout, layer, x, self.cfg.bits, group)
+
+
+def gptq_config(config: dict, source) -> GptqConfig:
+    """GptqConfig from a `quantization_config` dict or a quantize_config.json side file."""
+    fmt = str(config.get("checkpoint_format", config.get("format", "gptq"))).lower()
+    if fmt == "marlin" or config.get("is_marlin_format"):
+        raise UnsupportedError(f"{source}: GPTQ checkpoint_format 'marlin' (AutoGPTQ's Marlin-packed files) is not "
+                               f"supported; re-export in the 'gptq' format")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise UnsupportedError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
+    bits = config.get("bits", config.get("w_bit", config.get("wbits")))
+    if bits not in SUPPORTED_BITS:
+        raise UnsupportedError(f"{source}: GPTQ bits={bits!r} is not supported; supported: {list(SUPPORTED_BITS)}")
+    group = config.get("group_size", config.get("q_group_size", -1))
+    if not isinstance(group, int) or (group != -1 and group <= 0):
+        raise ConfigError(f"{source}: GPTQ group_size={group!r}; expected a positive integer or -1")
+    return GptqConfig(bits, group, bool(config.get("desc_act", False)), bool(config.get("sym", True)),
+                      fmt == "gptq_v2", str(source))
+
+
+def dynamic_rules(config: dict, base: GptqConfig, source) -> tuple[list[str], list[tuple[str, GptqConfig]]]:
+    """GPTQModel's `dynamic` overrides: (skip patterns, [(regex, config for matching modules)])."""
+    skip, overrides = [], []
+    for pattern, values in (config.get("dynamic") or {}).items():
+        if pattern.startswith("-:"):
+            skip.append("re:" + pattern[2:])
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: GPTQ dynamic[{pattern!r}] should map option names to values")
+        known = {"bits", "group_size", "desc_act", "sym"}
+        if set(values) - known:
+            raise UnsupportedError(f"{source}: GPTQ dynamic[{pattern!r}] overrides {sorted(set(values) - known)}; "
+                                   f"qrt supports overriding {sorted(known)}")
+        merged = {**base.__dict__, **values}
+        checked = gptq_config({**merged, "checkpoint_format": "gptq_v2" if base.v2 else "gptq"}, source)
+        overrides.append((pattern.removeprefix("+:"), replace(checked, source=base.source)))
+    return skip, overrides

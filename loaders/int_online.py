@@ -1,0 +1,113 @@
+"""`quant="int4"` and `quant="int8"`: integer weights quantized from a bf16 checkpoint while it loads.
+
+- int4: asymmetric, round to nearest, groups of 128 input channels (or the largest of 128, 64, 32
+  dividing K, so that the CPU kernel can run it), integer zero points.
+- int8: symmetric per output channel, codes in [-127, 127].
+
+Each weight is quantized the moment it streams in and stored packed (int32 words along K), so the
+model never holds a layer in both bf16 and int. Scales are rounded to the model dtype before the
+codes are computed: the stored scale is then exactly the one the codes were made for, even where
+the CPU kernel needs scales in the activations' dtype.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from kernels.int_reference import pack_factor, pack_rows, unpack_rows
+
+from .errors import TensorMismatch
+from .int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters
+from .parameters import make_parameter
+from .shards import check_shape, copy_rows
+
+_MIN_SCALE = 1e-8  # an all-equal group gets a tiny scale instead of a division by zero
+
+
+@dataclass(frozen=True)
+class OnlineIntConfig:
+    bits: int  # 4: asymmetric groups; 8: symmetric channels
+
+    def group_size(self, k: int) -> int:
+        if self.bits == 8:
+            return k
+        return next((g for g in (128, 64, 32) if k % g == 0), 128)
+
+    def describe(self, k: int) -> str:
+        return "int8 channel (online)" if self.bits == 8 else f"int4 g{self.group_size(k)} asymmetric (online)"
+
+
+def quantize_int_rows(w: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype):
+    """Round-to-nearest integer quantization of w [n, K] in groups of `group_size` along K.
+
+    Returns (q [n, K] int32 unsigned, scales [n, groups] scale_dtype, zeros [n, groups] fp32)
+    with w ≈ (q - zeros) * scales. 8-bit is symmetric (zero 128), lower widths asymmetric."""
+    n, k = w.shape
+    groups = group_count(k, group_size)
+    padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))  # [n, groups * G]
+    grid = padded.view(n, groups, group_size)
+    if bits == 8:
+        # Padding zeros cannot raise a group's amax, so the partial last group is unaffected.
+        amax = grid.abs().amax(dim=-1)  # [n, groups]
+        scales = (amax / 127.0).clamp(min=_MIN_SCALE).to(scale_dtype)
+        zeros = torch.full_like(amax, 128.0)
+        q = (grid / scales.float()[..., None]).round().clamp(-127, 127) + 128
+    else:
+        maxq = 2**bits - 1
+        # Pad with each row's last value, which lies in the partial group: padding never widens its range.
+        grid = torch.where(torch.arange(groups * group_size).view(groups, group_size) < k, grid,
+                           w.float()[:, -1:, None])
+        low, high = grid.amin(dim=-1).clamp(max=0), grid.amax(dim=-1).clamp(min=0)  # keep 0 representable
+        scales = ((high - low) / maxq).clamp(min=_MIN_SCALE).to(scale_dtype)
+        zeros = (-low / scales.float()).round().clamp(0, maxq)
+        q = ((grid / scales.float()[..., None]).round() + zeros[..., None]).clamp(0, maxq)
+    return q.reshape(n, -1)[:, :k].to(torch.int32), scales, zeros
+
+
+def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, cfg: OnlineIntConfig):
+    """weight_loader: quantize a float shard [n, K] into its columns of the packed weight."""
+    if not loaded.dtype.is_floating_point or loaded.dtype.itemsize == 1:
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected a bf16/fp16/fp32 weight to quantize")
+    shards = layer.shard_layout
+    columns = param.data if shards is None else shards.rows(param.data, shard_id, dim=1)
+    check_shape(loaded, (columns.shape[1], layer.input_size))
+    k = layer.input_size
+    q, scales, zeros = quantize_int_rows(loaded, cfg.bits, cfg.group_size(k), layer.params_dtype)
+    columns.copy_(pack_rows(q.t(), cfg.bits))
+    for name, values in (("scales", scales), ("zeros", zeros)):
+        target = getattr(layer, name).data
+        (target if shards is None else shards.rows(target, shard_id, dim=1)).copy_(values.t())
+
+
+class OnlineIntLinearMethod:
+    def __init__(self, bits: int):
+        self.cfg = OnlineIntConfig(bits)
+        self.name = f"int{bits}"
+        self.layout = None  # chosen by the loader pass
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k, bits = layer.output_size, layer.input_size, self.cfg.bits
+        groups = group_count(k, self.cfg.group_size(k))
+        # Filled by the weight's loader, never read from the checkpoint: no weight_loader.
+        layer.scales = make_parameter(torch.empty(groups, n, dtype=dtype), quant_format=self.name)  # [groups, N]
+        layer.zeros = make_parameter(torch.empty(groups, n, dtype=torch.float32), quant_format=self.name)
+        layer.weight = make_parameter(
+            torch.empty(-(-k // pack_factor(bits)), n, dtype=torch.int32),  # [ceil(K / pf), N] along K
+            weight_loader=partial(_quantize_into, layer=layer, cfg=self.cfg), loaded_shape=(n, k),
+            input_dim=0, output_dim=1, packed_dim=0, packed_factor=pack_factor(bits), quant_format=self.name,
+        )
+        if layer.has_bias:
+            layer.bias = make_parameter(torch.empty(n, dtype=dtype),
+                                        weight_loader=partial(copy_rows, layout=layer.shard_layout),
+                                        output_dim=0, quant_format=self.name)
+
+    def process_after_loading(self, layer, device: torch.device) -> None:
+        k, bits = layer.input_size, self.cfg.bits
+        weights = IntWeights(unpack_rows(layer.weight.data, bits, k), layer.scales.data, layer.zeros.data, bits,
+                             self.cfg.group_size(k))
+        remove_parameters(layer, "weight", "scales", "zeros")
+        self.layout = install_int_weights(layer, weights, device, self.cfg.describe(k))
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return apply_int_layout(self.layout, layer, x, self.cfg.bits, self.cfg.group_size(layer.input_size))

@@ -1,0 +1,174 @@
+"""The loader pass shared by every integer weight-only format (GPTQ, AWQ, compressed-tensors,
+online int4/int8): from a layer's integer weights in a neutral form to the layout of its kernel.
+
+Each format's loader pass only has to say what its tensors mean, as `IntWeights`; this module
+reorders act-order groups, picks the kernel for the device and writes its layout:
+
+| device | weights                                     | layout after the pass                | kernel op               |
+|--------|---------------------------------------------|--------------------------------------|-------------------------|
+| CUDA   | 2/4/8-bit, contiguous groups                | int32 words along K + group scales   | `qrt::int_linear` → Triton |
+| CPU    | 4-bit, groups a multiple of 32, N % 16 == 0 | ATen int4 pack + scale/offset pairs  | `qrt::int4pack_linear`  |
+| CPU    | 8-bit, one group per channel                | int8 [N, K] + channel scales         | `qrt::int8pack_linear`  |
+| any    | anything else                               | dequantized to the model dtype       | `aten.linear`           |
+
+The ATen CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout
+no reference can read them: on the CPU the loader pass and the kernel are one decision, and the
+layer calls the kernel op directly. On CUDA the layer calls the logical op and the swap pass puts
+the Triton kernel in its place. Either way the layout is recorded on the weight and shown by
+`inspect` and `dump`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
+from kernels.int_reference import pack_rows
+
+from .errors import TensorMismatch, UnsupportedError
+from .parameters import make_parameter
+from .shards import ShardLayout, check_shape
+
+PACKED, INT4PACK, INT8PACK, DENSE = "packed", "int4pack", "int8pack", "dense"
+
+
+@dataclass
+class IntWeights:
+    """One layer's integer weights, unpacked: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]
+    with g(k) = g_idx[k] when given, else k // group_size."""
+
+    q: torch.Tensor  # [K, N] int32, unsigned values in [0, 2**bits)
+    scales: torch.Tensor  # [ceil(K / G), N] float
+    zeros: torch.Tensor  # [ceil(K / G), N] float, zero points in integer units
+    bits: int
+    group_size: int  # G; equal to K for one group per channel
+    g_idx: torch.Tensor | None = None  # [K] group of each input channel (act-order checkpoints)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K], the weight in nn.Linear orientation."""
+        k = self.q.shape[0]
+        group = self.g_idx.long() if self.g_idx is not None else torch.arange(k) // self.group_size
+        return ((self.q.float() - self.zeros.float()[group]) * self.scales.float()[group]).t()
+
+
+def _contiguous_groups(w: IntWeights) -> tuple[IntWeights, torch.Tensor | None] | None:
+    """Reorder an act-order weight so each group's input channels are contiguous.
+
+    Returns the reordered weights and the activation permutation (None when already in order),
+    or None when the groups are not all of size G (then no grouped kernel can run it)."""
+    k = w.q.shape[0]
+    in_order = torch.arange(k) // w.group_size  # [K]
+    if w.g_idx is None or torch.equal(w.g_idx.long(), in_order):
+        return IntWeights(w.q, w.scales, w.zeros, w.bits, w.group_size), None
+    g_idx = w.g_idx.long()
+    if g_idx.min() < 0 or g_idx.max() >= w.scales.shape[0]:
+        return None
+    if not torch.equal(torch.bincount(g_idx, minlength=w.scales.shape[0]), torch.bincount(in_order)):
+        return None
+    perm = torch.argsort(g_idx, stable=True)  # [K]: sorted position -> original input channel
+    return IntWeights(w.q[perm], w.scales, w.zeros, w.bits, w.group_size), perm
+
+
+def _exact_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` when that loses nothing (e.g. fp16 scales in an fp16 model), else in fp32."""
+    narrowed = t.to(dtype)
+    return narrowed if torch.equal(narrowed.float(), t.float()) else t.float()
+
+
+def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -> str:
+    """Give `layer` the parameters of the best layout for `w` on `device`; returns the layout.
+
+    `what` names the format for `inspect` (e.g. "GPTQ 4-bit g128")."""
+    dtype = layer.params_dtype
+    k, n = w.q.shape
+    grouped = _contiguous_groups(w)
+    layer.register_parameter("perm", None)
+    if grouped is None:
+        layout, detail = DENSE, "act-order groups of uneven size"
+    elif device.type == "cuda":
+        layout, detail = PACKED, ""
+    elif w.bits == 4 and int4_cpu_group(k, n, w.group_size) is not None:
+        layout, detail = INT4PACK, ""
+    elif w.bits == 8 and w.scales.shape[0] == 1:
+        layout, detail = INT8PACK, ""
+    else:
+        layout, detail = DENSE, f"no CPU kernel for {w.bits}-bit weights in groups of {w.group_size} ({n}x{k})"
+    if grouped is not None:
+        w, perm = grouped
+        if perm is not None:
+            layer.perm = make_parameter(perm.to(device))  # [K] int64
+    if layout == PACKED:
+        layer.weight = make_parameter(pack_rows(w.q, w.bits).to(device), quant_format=what,  # [K / pf, N] int32
+                                      storage_layout=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
+                                      kernel="qrt.int_linear_triton")
+        layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(device))  # [K / G, N]
+        layer.zeros = make_parameter(w.zeros.to(layer.scales.dtype).to(device))  # [K / G, N], integers exact
+    elif layout == INT4PACK:
+        cpu_group = int4_cpu_group(k, n, w.group_size)
+        packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
+                                                  dtype)
+        layer.weight = make_parameter(packed, quant_format=what, kernel="qrt.int4pack_linear",  # [N, K / 2] uint8
+                                      storage_layout=f"ATen int4 CPU pack [N, K/2], g{cpu_group} scale+offset")
+        layer.scale_offsets = make_parameter(scale_offsets)  # [K / g, N, 2] model dtype
+        layer.cpu_group = cpu_group
+    elif layout == INT8PACK:
+        weight, scales, zero_terms = pack_int8_for_cpu(pack_rows(w.q, 8), w.scales, w.zeros, k, dtype)
+        asym = "" if zero_terms is None else ", zero-point correction"
+        layer.weight = make_parameter(weight, quant_format=what, kernel="qrt.int8pack_linear",  # [N, K] int8
+                                      storage_layout=f"int8 [N, K], channel scales{asym}")
+        layer.scales = make_parameter(scales)  # [N] model dtype
+        layer.register_parameter("zero_terms", None if zero_terms is None else make_parameter(zero_terms))
+    else:
+        layer.weight = make_parameter(w.dequantize().to(dtype).to(device), quant_format=what,  # [N, K]
+                                      storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] dequantized: {detail}",
+                                      kernel="aten.linear")
+    return layout
+
+
+def apply_int_layout(layout: str, layer, x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """forward of a layer that went through `install_int_weights` (layout is a Python constant)."""
+    if layout == PACKED:
+        return torch.ops.qrt.int_linear(x, layer.weight, layer.scales, layer.zeros, layer.perm, layer.bias,
+                                        bits, group_size)
+    if layout == INT4PACK:
+        return torch.ops.qrt.int4pack_linear(x, layer.weight, layer.scale_offsets, layer.perm, layer.bias,
+                                             layer.cpu_group)
+    if layout == INT8PACK:
+        return torch.ops.qrt.int8pack_linear(x, layer.weight, layer.scales, layer.zero_terms, layer.bias)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def copy_ints(param, loaded: torch.Tensor, shard_id, *, layout: ShardLayout | None, dtype: torch.dtype) -> None:
+    """weight_loader for integer tensors: exact dtype, then copied into the shard's slice along
+    the parameter's output dim."""
+    if loaded.dtype != dtype:
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected {dtype}")
+    dst = param.data if layout is None else layout.rows(param.data, shard_id, param.output_dim)
+    check_shape(loaded, dst.shape)
+    dst.copy_(loaded)
+
+
+def remove_parameters(layer, *names: str) -> None:
+    """Free the checkpoint-layout tensors once the kernel layout is built."""
+    for name in names:
+        if name in layer._parameters:
+            del layer._parameters[name]
+
+
+def scaled_shards(layer, divisor: int, what: str) -> ShardLayout | None:
+    """The layer's shard layout counted in units of `divisor` output channels (for tensors packed
+    along N), or an error when a shard does not fill whole units."""
+    shards = layer.shard_layout
+    if shards is None:
+        return None
+    sizes = [size for _, size in shards.offsets.values()]
+    if any(size % divisor for size in sizes):
+        raise UnsupportedError(f"{what} packs {divisor} output channels per element, but the fused shards have "
+                               f"{sizes} channels; they cannot be split")
+    return ShardLayout.stacked(shards.shard_ids, [size // divisor for size in sizes])
+
+
+def group_count(k: int, group_size: int) -> int:
+    return -(-k // group_size)
