@@ -1,6 +1,7 @@
-"""`python -m runtime` / `qrt`: generate, inspect, dump."""
+"""`python -m runtime` / `qrt`: generate, eval, inspect, dump."""
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -8,6 +9,8 @@ from pathlib import Path
 import torch
 
 from loaders.errors import QrtError
+
+from .evaluate import DEFAULT_WINDOW
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -51,6 +54,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
     gen.set_defaults(handler=_generate)
 
+    ev = commands.add_parser("eval", help="perplexity and bits per byte of a text, scored with a sliding window")
+    add_model_args(ev)
+    ev.add_argument("--text", default=None,
+                    help="UTF-8 text file (default: the public-domain text shipped in runtime/data/eval_text.txt)")
+    ev.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                    help=f"tokens per forward pass, at most the model's context (default: {DEFAULT_WINDOW})")
+    ev.add_argument("--stride", type=int, default=None,
+                    help="tokens each window moves on; each scored token sees at least window - stride tokens "
+                         "before it (default: window // 2)")
+    ev.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.set_defaults(handler=_eval)
+
     ins = commands.add_parser("inspect", help="show the checkpoint's format, layers and tensors")
     add_model_args(ins)
     ins.add_argument("--tensors", type=int, default=20, help="how many checkpoint tensors to list (-1: all)")
@@ -85,6 +101,34 @@ def _generate(args) -> int:
     elapsed = time.perf_counter() - started
     print(text)
     print(f"qrt: {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / elapsed:.1f} tok/s incl. prefill)", file=sys.stderr)
+    return 0
+
+
+def _eval(args) -> int:
+    from .evaluate import DEFAULT_TEXT, check_window, perplexity_of_text, read_text
+
+    text_path = Path(args.text) if args.text is not None else DEFAULT_TEXT
+    text = read_text(text_path)
+    stride = args.window // 2 if args.stride is None else args.stride
+    check_window(args.window, stride)  # before loading: a typo should not cost a model load
+    # The full forward uses no KV cache; sizing it to the window instead of 2048 saves its memory.
+    model = _compile(args, compile=not args.eager, warmup=False, max_seq_len=args.window)
+    result = perplexity_of_text(model, text, window=args.window, stride=stride)
+    if args.json:
+        report = {"model": str(model.source), "quant": args.quant, "quantization": model.scheme.describe(),
+                  "text": str(text_path), "compiled": not args.eager, **result.as_dict()}
+        print(json.dumps(report, indent=2))
+        return 0
+    special = "BOS prepended" if result.bos_added else "no special tokens added"
+    compiled = "eager" if args.eager else "includes compiling the forward graph"
+    print(f"model:          {model.source}")
+    print(f"quantization:   {model.scheme.describe()}")
+    print(f"text:           {text_path} ({result.text_bytes} bytes, {result.tokens} tokens, {special})")
+    print(f"window:         {result.window} tokens, stride {result.stride} ({result.windows} forward passes)")
+    print(f"scored tokens:  {result.scored_tokens}")
+    print(f"perplexity:     {result.perplexity:.4f}")
+    print(f"bits per byte:  {result.bits_per_byte:.4f}")
+    print(f"time:           {result.seconds:.1f} s ({compiled})")
     return 0
 
 
