@@ -125,7 +125,7 @@ class CtIntLinearMethod:
                                         output_dim=0, **common)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
-        cfg, n, k = self.cfg, layer.output_size, layer.input_size
+        cfg, k = self.cfg, layer.input_size
         offset = 2 ** (cfg.bits - 1)
         if cfg.packed:
             q = unpack_rows(layer.weight_packed.data.t().contiguous(), cfg.bits, k)  # [K, N] unsigned

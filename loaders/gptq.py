@@ -52,9 +52,14 @@ def _load_g_idx(param, loaded, shard_id, *, layer):
     layer.loaded_g_idx.add(shard_id)
 
 
-def _zero_point_increment(bits: int) -> int:
-    """A 1 in every bits-wide field of an int32 word: 0x11111111 for 4-bit."""
-    return sum(1 << (bits * i) for i in range(32 // bits))
+def gptq_zero_points(qzeros: torch.Tensor, bits: int, n: int, v2: bool) -> torch.Tensor:
+    """int32 [groups, N / pf] as stored -> the true zero points, int32 [groups, N]."""
+    words = qzeros
+    if not v2:
+        # A 1 in every field (0x11111111 for 4-bit), added word-wide, modulo 2**32.
+        increment = sum(1 << (bits * i) for i in range(32 // bits))
+        words = (words.to(torch.int64) + increment) & 0xFFFFFFFF
+    return unpack_rows(words.t().contiguous(), bits, n).t()
 
 
 class GptqLinearMethod:
@@ -105,10 +110,7 @@ class GptqLinearMethod:
     def process_after_loading(self, layer, device: torch.device) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
         q = unpack_rows(layer.qweight.data, cfg.bits, k)  # [K, N]
-        words = layer.qzeros.data
-        if not cfg.v2:
-            words = (words.to(torch.int64) + _zero_point_increment(cfg.bits)) & 0xFFFFFFFF  # mod 2**32
-        zeros = unpack_rows(words.t().contiguous(), cfg.bits, n).t()  # [groups, N]
+        zeros = gptq_zero_points(layer.qzeros.data, cfg.bits, n, cfg.v2)  # [groups, N]
         weights = IntWeights(q, layer.scales.data, zeros.float(), cfg.bits, k if cfg.group_size == -1 else cfg.group_size,
                              self._g_idx(layer))
         remove_parameters(layer, *_CHECKPOINT_TENSORS)

@@ -1,0 +1,245 @@
+"""Integer weight-only checkpoints (GPTQ, AWQ, compressed-tensors) and online int4/int8:
+detection, logits against the dequantized transformers model, the layout each layer got,
+compiled graphs without breaks or decode recompiles, and clear errors for malformed files."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import runtime
+from int_checkpoints import ct_config, make_int_checkpoint
+from loaders.config import LoadConfig
+from loaders.errors import CheckpointError, UnsupportedError
+from tiny_checkpoints import relative_l2
+
+
+def gptq(bits=4, group_size=32, desc_act=False, sym=True, fmt="gptq", **extra):
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+            "checkpoint_format": fmt, **extra}
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True,
+       "modules_to_not_convert": None}
+
+# name -> (builder format, quantization_config, builder options, words describe() shows, CPU layouts)
+CASES = {
+    "gptq-4bit-sym": ("gptq", gptq(), dict(bits=4, group_size=32, sym=True), "GPTQ 4-bit g32", {"int4pack"}),
+    "gptq-4bit-act-order-asym": ("gptq", gptq(desc_act=True, sym=False),
+                                 dict(bits=4, group_size=32, sym=False, act_order=True),
+                                 "GPTQ 4-bit g32, act-order, asymmetric", {"int4pack"}),
+    "gptq-v1-asym-zero-0": ("gptq", gptq(sym=False), dict(bits=4, group_size=32, sym=False, positive_first_group=True),
+                            "GPTQ 4-bit g32, asymmetric", {"int4pack"}),
+    "gptq-v2-8bit-channel": ("gptq", gptq(bits=8, group_size=-1, fmt="gptq_v2"),
+                             dict(bits=8, group_size=-1, sym=True, v2=True), "GPTQ v2 8-bit channel", {"int8pack"}),
+    # K = 64 is a single group of 64, which the per-channel int8 kernel runs; K = 160 is not.
+    "gptq-8bit-g64-asym": ("gptq", gptq(bits=8, group_size=64, sym=False), dict(bits=8, group_size=64, sym=False),
+                           "GPTQ 8-bit g64, asymmetric", {"int8pack", "dense"}),
+    "gptq-2bit": ("gptq", gptq(bits=2, sym=False), dict(bits=2, group_size=32, sym=False), "GPTQ 2-bit g32", {"dense"}),
+    "awq-gemm": ("awq", AWQ, dict(group_size=32), "AWQ 4-bit g32", {"int4pack"}),
+    "ct-w4a16-group": ("ct", ct_config(), dict(), "compressed-tensors W4A16 g64", {"int4pack"}),
+    "ct-w4a16-asym-actorder": ("ct", ct_config(sym=False, actorder="group"), dict(sym=False, act_order=True),
+                               "compressed-tensors W4A16 g64, asymmetric", {"int4pack"}),
+    "ct-w4a16-asym-legacy-zp": ("ct", ct_config(sym=False), dict(sym=False, packed_zero_point=False),
+                                "compressed-tensors W4A16 g64, asymmetric", {"int4pack"}),
+    "ct-w8a16-channel": ("ct", ct_config(bits=8, group_size=-1), dict(bits=8, group_size=-1),
+                         "compressed-tensors W8A16 channel", {"int8pack"}),
+    "ct-naive-int8": ("ct", ct_config(fmt="naive-quantized", bits=8, group_size=-1),
+                      dict(bits=8, group_size=-1, packed=False), "compressed-tensors W8A16 channel", {"int8pack"}),
+    "ct-w4a16-g48-partial": ("ct", ct_config(group_size=48), dict(group_size=48), "compressed-tensors W4A16 g48",
+                             {"dense"}),
+}
+COMPILED = ["gptq-4bit-act-order-asym", "awq-gemm", "ct-w8a16-channel"]
+LINEARS = 2 * 4  # tiny model: 2 layers x (qkv, o, gate_up, down)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            fmt, config, options, _, _ = CASES[name]
+            options = dict(options)
+            positive = options.pop("positive_first_group", False)
+            made[name] = (root / name, make_int_checkpoint(root / name, fmt, config, positive_first_group=positive,
+                                                           **options))
+        return made[name]
+
+    return get
+
+
+def _ids(seed=0):
+    return torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _layouts(model) -> set:
+    return {m.quant_method.layout for m in model.modules() if hasattr(getattr(m, "quant_method", None), "layout")}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_detected_and_matches_the_dequantized_model(name, checkpoints):
+    folder, reference = checkpoints(name)
+    _, _, _, described, layout = CASES[name]
+    eager = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
+    assert described in eager.scheme.describe()
+    assert _layouts(eager.model) == layout
+    ids = _ids()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    # Both sides use the same dequantized fp32 weights: only summation order differs.
+    assert relative_l2(eager(ids), expected) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def compiled_int(checkpoints):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            folder, _ = checkpoints(name)
+            model = runtime.compile_model(folder, progress=False, max_seq_len=128)
+            model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
+            cache[name] = model
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_graphs_have_no_breaks_no_recompiles_and_the_cpu_kernels(name, compiled_int, checkpoints):
+    model = compiled_int(name)
+    _, reference = checkpoints(name)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        tokens = model.generate(list(range(10, 27)), max_new_tokens=16, stop_at_eos=False)
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}
+    (layout,) = CASES[name][4]
+    kernel = {"int4pack": "qrt.int4pack_linear", "int8pack": "qrt.int8pack_linear"}[layout]
+    for role, backend in model.backends.items():
+        if not backend.log.graphs:
+            continue
+        (graph,) = backend.log.graphs
+        (swap,) = graph.passes
+        assert swap.ops_before.get(kernel, 0) == LINEARS, role
+        assert [c.kernel for c in graph.kernel_choices] == [kernel] * LINEARS
+    # Greedy decoding agrees with transformers on the dequantized weights.
+    expected = reference.generate(torch.tensor([list(range(10, 27))]), max_new_tokens=16, do_sample=False)
+    assert tokens == expected[0, 17:].tolist()
+
+
+@pytest.mark.parametrize("quant,layout", [("int4", "int4pack"), ("int8", "int8pack")])
+def test_online_int_quantization_compiles_and_stays_close_to_bf16(quant, layout, llama_dir, hf_model, compiled):
+    model = compiled(llama_dir, quant)
+    assert _layouts(model.model) == {layout}
+    assert quant in model.scheme.describe()
+    ids = _ids(1)
+    with torch.no_grad():
+        expected = hf_model(llama_dir)(ids).logits
+    # Round-to-nearest error of random 0.02-scale weights, through 2 layers: int8 per channel
+    # keeps about 2**-8 of each weight, int4 in groups about 2**-4.
+    assert relative_l2(model(ids), expected) < (0.02 if quant == "int8" else 0.2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        model.generate([3, 1, 4, 1, 5], max_new_tokens=8, stop_at_eos=False)
+
+
+def test_dummy_load_quantizes_random_weights_through_the_online_loader(llama_dir):
+    model = runtime.compile_model(llama_dir, quant="int4", load_config=LoadConfig(load_format="dummy", progress=False),
+                                  compile=False, progress=False, max_seq_len=64)
+    assert _layouts(model.model) == {"int4pack"}
+    assert torch.isfinite(model(_ids())).all()
+
+
+def test_side_files_are_detected(tmp_path, checkpoints):
+    for name, side_file, config in [("gptq-4bit-sym", "quantize_config.json", {k: v for k, v in gptq().items()
+                                                                                  if k != "quant_method"}),
+                                    ("awq-gemm", "quant_config.json", {"w_bit": 4, "q_group_size": 32,
+                                                                       "zero_point": True, "version": "GEMM"})]:
+        folder, reference = checkpoints(name)
+        copy = tmp_path / name
+        shutil.copytree(folder, copy)
+        hf_config = json.loads((copy / "config.json").read_text())
+        del hf_config["quantization_config"]
+        (copy / "config.json").write_text(json.dumps(hf_config))
+        (copy / side_file).write_text(json.dumps(config))
+        model = runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64)
+        assert CASES[name][3] in model.scheme.describe()
+        with torch.no_grad():
+            assert relative_l2(model(_ids()), reference(_ids()).logits) < 1e-5
+
+
+def _rewrite(folder, tmp_path, *, config=None, tensors=None):
+    """A copy of `folder` with its quantization_config updated and tensors edited by `tensors(state)`."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    if config is not None:
+        hf_config = json.loads((copy / "config.json").read_text())
+        hf_config["quantization_config"].update(config)
+        (copy / "config.json").write_text(json.dumps(hf_config))
+    if tensors is not None:
+        state = load_file(str(copy / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(copy / "model.safetensors"))
+    return copy
+
+
+def test_gptq_dynamic_skip_rules_keep_matching_modules_dense(tmp_path, checkpoints):
+    folder, _ = checkpoints("gptq-4bit-sym")
+
+    def densify(state):  # what GPTQModel writes for a "-:" module: a plain weight
+        for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+            del state[f"model.layers.1.mlp.down_proj.{suffix}"]
+        state["model.layers.1.mlp.down_proj.weight"] = torch.randn(64, 160) * 0.02
+
+    copy = _rewrite(folder, tmp_path, config={"dynamic": {r"-:.*layers\.1\.mlp\.down_proj": {}}}, tensors=densify)
+    model = runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64).model
+    assert model.model.layers[1].mlp.down_proj.quant_method.name == "bf16"
+    assert model.model.layers[0].mlp.down_proj.quant_method.name == "gptq"
+
+
+def test_awq_modules_to_not_convert_match_by_substring(tmp_path, checkpoints):
+    folder, _ = checkpoints("awq-gemm")
+
+    def densify(state):
+        for i in range(2):
+            for suffix in ("qweight", "qzeros", "scales"):
+                del state[f"model.layers.{i}.self_attn.o_proj.{suffix}"]
+            state[f"model.layers.{i}.self_attn.o_proj.weight"] = torch.randn(64, 64) * 0.02
+
+    copy = _rewrite(folder, tmp_path, config={"modules_to_not_convert": ["o_proj"]}, tensors=densify)
+    model = runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64).model
+    assert [layer.self_attn.o_proj.quant_method.name for layer in model.model.layers] == ["bf16", "bf16"]
+
+
+def test_malformed_integer_checkpoints_get_clear_errors(tmp_path, checkpoints):
+    folder, _ = checkpoints("gptq-4bit-act-order-asym")
+    # qweight packed for 8 bits while the config says 4: the shape names the mismatch.
+    bad_bits = _rewrite(folder, tmp_path / "bits", config={"bits": 8})
+    with pytest.raises(CheckpointError, match=r"down_proj\.qweight'.*shape \[20, 64\], expected \[40, 64\]"):
+        runtime.compile_model(bad_bits, compile=False, progress=False)
+    # desc_act says act-order, but the group indices are gone.
+    no_g_idx = _rewrite(folder, tmp_path / "g_idx", tensors=lambda state: [
+        state.pop(name) for name in [n for n in state if n.endswith("g_idx")]])
+    with pytest.raises(CheckpointError, match=r"g_idx'.*missing, but the quantization config says desc_act=true"):
+        runtime.compile_model(no_g_idx, compile=False, progress=False)
+    with pytest.raises(UnsupportedError, match=r"bits=3 is not supported; supported: \[2, 4, 8\]"):
+        runtime.compile_model(_rewrite(folder, tmp_path / "b3", config={"bits": 3}), compile=False, progress=False)
+    # A scale tensor stored as int: dtype named.
+    int_scales = _rewrite(folder, tmp_path / "scales", tensors=lambda state: state.update(
+        {"model.layers.0.self_attn.k_proj.scales": torch.ones(2, 32, dtype=torch.int32)}))
+    with pytest.raises(CheckpointError, match=r"k_proj\.scales'.*dtype torch\.int32"):
+        runtime.compile_model(int_scales, compile=False, progress=False)
+    awq_folder, _ = checkpoints("awq-gemm")
+    with pytest.raises(UnsupportedError, match="AWQ version 'gemv' is not supported"):
+        runtime.compile_model(_rewrite(awq_folder, tmp_path / "gemv", config={"version": "gemv"}), compile=False,
+                              progress=False)
+
+
+def test_compressed_tensors_weight_shape_must_match_the_layer(tmp_path, checkpoints):
+    folder, _ = checkpoints("ct-w4a16-group")
+    copy = _rewrite(folder, tmp_path, tensors=lambda state: state.update(
+        {"model.layers.0.mlp.up_proj.weight_shape": torch.tensor([160, 63])}))
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight_shape'.*holds \[160, 63\].*\[160, 64\]"):
+        runtime.compile_model(copy, compile=False, progress=False)

@@ -1,0 +1,118 @@
+"""Integer weight-only kernels against the reference: the reference against an explicit
+dequantization, the CPU int4/int8 pack kernels and the Triton GEMM (interpreted on the CPU)
+against the reference, on random weights, group sizes 32/64/128/channel, partial last groups,
+act-order permutations, M = 1 and ragged shapes."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
+from int_checkpoints import pack_fields
+from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
+from kernels.int_reference import int_linear_reference
+from tiny_checkpoints import relative_l2
+
+
+def random_layer(k, n, bits, group_size, *, act_order=False, asym=True, seed=0):
+    """Random canonical tensors and the explicit fp32 weight they stand for."""
+    gen = torch.Generator().manual_seed(seed)
+    group = k if group_size == -1 else group_size
+    groups = -(-k // group)
+    q = torch.randint(0, 2**bits, (k, n), generator=gen)  # [K, N]
+    scales = torch.rand(groups, n, generator=gen) * 0.02 + 0.001
+    if asym:
+        zeros = torch.randint(0, 2**bits, (groups, n), generator=gen).float()
+    else:
+        zeros = torch.full((groups, n), 2.0 ** (bits - 1))
+    perm = torch.randperm(k, generator=gen) if act_order else None
+    g = torch.arange(k) // group
+    w_sorted = (q.float() - zeros[g]) * scales[g]  # [K, N], rows in sorted (kernel) order
+    weight = torch.empty_like(w_sorted)
+    weight[perm if perm is not None else torch.arange(k)] = w_sorted  # [K, N] in original input order
+    return dict(qweight=pack_fields(q, bits, dim=0), scales=scales, zeros=zeros, perm=perm, bits=bits,
+                group_size=group), weight
+
+
+def _x(m, k, dtype=torch.float32, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _reference(x, layer, bias=None):
+    return int_linear_reference(x, layer["qweight"], layer["scales"], layer["zeros"], layer["perm"], bias,
+                                layer["bits"], layer["group_size"])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 48, -1])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_reference_equals_explicit_dequantized_matmul(bits, group_size, act_order):
+    layer, weight = random_layer(80, 24, bits, group_size, act_order=act_order)
+    x = _x(3, 80)
+    bias = torch.randn(24)
+    assert relative_l2(_reference(x, layer, bias), x @ weight + bias) < 1e-6
+
+
+@pytest.mark.parametrize("k,n,group_size", [(256, 64, 32), (576, 96, 128), (160, 48, 64), (128, 32, -1)])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int4_pack_kernel_matches_reference(k, n, group_size, act_order, dtype):
+    layer, _ = random_layer(k, n, 4, group_size, act_order=act_order, seed=k)
+    cpu_group = int4_cpu_group(k, n, layer["group_size"])
+    packed, scale_offsets = pack_int4_for_cpu(layer["qweight"], layer["scales"], layer["zeros"],
+                                              layer["group_size"], k, cpu_group, dtype)
+    for m in (1, 7):
+        x = _x(m, k, dtype)
+        out = torch.ops.qrt.int4pack_linear(x, packed, scale_offsets, layer["perm"], None, cpu_group)
+        expected = _reference(x.float(), layer)
+        # fp32: summation order only. bf16: scales and offsets rounded to bf16 (2**-9 relative each)
+        # and a bf16 output.
+        assert relative_l2(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_int4_cpu_group_splits_coarse_groups_and_refuses_what_aten_cannot_run():
+    assert int4_cpu_group(576, 64, 128) == 64  # 576 = 4.5 groups of 128: split into groups of 64
+    assert int4_cpu_group(2048, 64, 2048) == 256  # one group per channel
+    assert int4_cpu_group(96, 64, 48) is None  # 48 has no divisor among 32..256
+    assert int4_cpu_group(128, 40, 32) is None  # N must be a multiple of 16
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_pack_kernel_matches_reference(asym, dtype):
+    k, n = 192, 48
+    layer, _ = random_layer(k, n, 8, -1, asym=asym, seed=3)
+    weight, scales, zero_terms = pack_int8_for_cpu(layer["qweight"], layer["scales"], layer["zeros"], k, dtype)
+    assert (zero_terms is None) == (not asym)
+    bias = torch.randn(n).to(dtype)
+    for m in (1, 5):
+        x = _x(m, k, dtype)
+        out = torch.ops.qrt.int8pack_linear(x, weight, scales, zero_terms, bias)
+        expected = _reference(x.float(), layer, bias.float())
+        assert relative_l2(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.sampled_from([1, 3, 16, 33]), k=st.integers(2, 40).map(lambda v: 8 * v),
+       n=st.integers(1, 80), bits=st.sampled_from([2, 4, 8]), group_size=st.sampled_from([32, 64, 128, -1]),
+       act_order=st.booleans(), with_bias=st.booleans())
+def test_triton_int_gemm_matches_reference(m, k, n, bits, group_size, act_order, with_bias):
+    layer, _ = random_layer(k, n, bits, group_size, act_order=act_order, seed=m * k + n)
+    x = _x(m, k)
+    bias = torch.randn(n) if with_bias else None
+    out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], layer["zeros"], layer["perm"], bias,
+                                          layer["bits"], layer["group_size"])
+    assert out.shape == (m, n)
+    assert relative_l2(out, _reference(x, layer, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_int_gemm_half_precision_activations(dtype):
+    layer, _ = random_layer(320, 72, 4, 128, act_order=True, seed=9)  # 320 = 2.5 groups of 128
+    x = _x(5, 320, dtype).reshape(1, 5, 320)  # leading batch dim is flattened and restored
+    out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"].to(dtype), layer["zeros"].to(dtype),
+                                          layer["perm"], None, 4, 128)
+    assert out.shape == (1, 5, 72) and out.dtype == dtype
+    expected = _reference(x.float(), {**layer, "scales": layer["scales"].to(dtype)})
+    assert relative_l2(out, expected) < 1e-2
