@@ -2,7 +2,7 @@
 on one checkpoint, in one run.
 
     python bench/decode.py                                   # the default model, every engine
-    python bench/decode.py PATH --quant bf16,fp8 --runs 5 --new-tokens 128 --prompt-tokens 32 \\
+    python bench/decode.py PATH --quant bf16,fp8,int4,int8 --runs 5 --new-tokens 128 --prompt-tokens 32 \\
         --threads 2 --json out.json
     python bench/decode.py --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
     python bench/decode.py --checkpoint hf-fp8=/tmp/smol-fp8   # also a pre-quantized copy, as stored
@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from loaders.config import read_hf_config  # noqa: E402
+from loaders.quant import ONLINE_METHODS  # noqa: E402
 
-QUANTS = {"bf16": None, "fp8": "fp8"}  # --quant name -> compile_model's quant
+QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}  # --quant name -> compile_model's quant
 FIRST_ORDINARY_TOKEN = 10  # ids below this are special tokens (bos, eos, pad, chat markers)
 PROMPT_SEED = 0
 BUSY_LOAD = 0.5  # 1-minute load average above which the figures are not worth keeping
@@ -58,8 +59,8 @@ HF = "transformers eager bf16"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
-    parser.add_argument("--quant", type=parse_quants, default="bf16,fp8",
-                        help="comma-separated qrt variants: bf16 (weights as stored), fp8")
+    parser.add_argument("--quant", type=parse_quants, default=",".join(QUANTS),
+                        help=f"comma-separated qrt variants: bf16 (weights as stored), {', '.join(ONLINE_METHODS)}")
     parser.add_argument("--runs", type=positive_int, default=5)
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=32)
