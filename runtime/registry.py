@@ -2,15 +2,24 @@
 
 from loaders.errors import ConfigError, UnsupportedError
 
-from .models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from .models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from .models.llama import LlamaForCausalLM
+from .models.mistral import MistralForCausalLM
+from .models.phi3 import Phi3ForCausalLM
+from .models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 
 class ModelRegistry:
-    _models = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM)}
+    _models = {
+        cls.__name__: cls
+        for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
+                    Gemma2ForCausalLM, Gemma3ForCausalLM)
+    }
 
     @classmethod
     def supported(cls) -> list[str]:
-        return sorted(cls._models)
+        """Architecture names in the order they were added (most established first)."""
+        return list(cls._models)
 
     @classmethod
     def resolve(cls, hf_config: dict, source="config.json"):

@@ -4,6 +4,28 @@ from dataclasses import dataclass
 
 from loaders.errors import ConfigError, UnsupportedError
 
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SCALED_ROPES = ("linear", "llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of one kind of layer.
+
+    dim: how many dims of each head rotate (the rest pass through); scaling: config.json's
+    scaling dict with `rope_type` set and, for yarn and longrope, the `factor` and
+    `original_max_position_embeddings` transformers derives when they are absent; None: plain RoPE."""
+
+    theta: float
+    dim: int
+    scaling: dict | None = None
+
+    @property
+    def kind(self) -> str:
+        return "default" if self.scaling is None else self.scaling["rope_type"]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -15,44 +37,52 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
     hidden_act: str
     torch_dtype: str | None
+    qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE
+    sliding_window: int | None = None  # sliding layers attend to keys with position > query - window
+    layer_types: tuple[str, ...] = ()  # FULL_ATTENTION or SLIDING_ATTENTION, one per layer
+    local_rope: Rope | None = None  # RoPE of sliding layers, where it differs from `rope`
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
+    final_logit_softcap: float | None = None  # the same on the output logits
 
     @classmethod
-    def from_hf(cls, hf: dict, architecture: str, *, qkv_bias: bool, source="config.json") -> "ModelConfig":
-        read = _Reader(hf, source)
+    def from_hf(cls, hf: dict, architecture: str, *, source="config.json", partial_rotary=False) -> "ModelConfig":
+        """The fields every decoder has; families add theirs with dataclasses.replace.
+        partial_rotary: honour `partial_rotary_factor` (only Phi-3's attention applies it)."""
+        read = ConfigReader(hf, source)
         hidden, heads = read.positive_int("hidden_size"), read.positive_int("num_attention_heads")
         kv_heads = read.positive_int("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedError(f"{source}: hidden_act={act!r}; {architecture} models support 'silu' only")
-        rope_theta, rope_scaling = _rope_parameters(hf, read)
+        head_dim = read.positive_int("head_dim", hidden // heads or 1)
+        max_positions = read.positive_int("max_position_embeddings", 2048)
+        rope, local_rope = read_ropes(read, head_dim, max_positions, partial_rotary)
         torch_dtype = hf.get("torch_dtype") or hf.get("dtype")
+        num_layers = read.positive_int("num_hidden_layers")
         return cls(
             architecture=architecture,
             hidden_size=hidden,
             intermediate_size=read.positive_int("intermediate_size"),
-            num_layers=read.positive_int("num_hidden_layers"),
+            num_layers=num_layers,
+            layer_types=(FULL_ATTENTION,) * num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=read.positive_int("head_dim", hidden // heads or 1),
+            head_dim=head_dim,
             vocab_size=read.positive_int("vocab_size"),
             rms_norm_eps=read.positive_float("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=read.positive_int("max_position_embeddings", 2048),
+            rope=rope,
+            local_rope=local_rope,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=read.boolean("tie_word_embeddings", False),
-            qkv_bias=qkv_bias,
-            hidden_act=act,
+            hidden_act=read.activation("hidden_act", "silu"),
             torch_dtype=torch_dtype if isinstance(torch_dtype, str) else None,
         )
 
@@ -60,7 +90,7 @@ class ModelConfig:
 _REQUIRED = object()
 
 
-class _Reader:
+class ConfigReader:
     """Typed reads of config.json values; a wrong type is a ConfigError naming key and value.
     A key that is absent or null takes its default (required keys have none)."""
 
@@ -76,16 +106,25 @@ class _Reader:
         return value
 
     def positive_int(self, key, default=_REQUIRED) -> int:
+        return self.integer(key, default, minimum=1)
+
+    def integer(self, key, default=_REQUIRED, *, minimum: int) -> int:
         value = self._get(key, default)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise ConfigError(f"{self.source}: {key}={value!r}; expected a positive integer")
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+            raise ConfigError(f"{self.source}: {key}={value!r}; expected an integer >= {minimum}")
         return value
 
-    def positive_float(self, key, default) -> float:
+    def optional_positive_int(self, key) -> int | None:
+        return None if self.hf.get(key) is None else self.positive_int(key)
+
+    def positive_float(self, key, default=_REQUIRED) -> float:
         value = self._get(key, default)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
             raise ConfigError(f"{self.source}: {key}={value!r}; expected a positive finite number")
         return float(value)
+
+    def optional_positive_float(self, key) -> float | None:
+        return None if self.hf.get(key) is None else self.positive_float(key)
 
     def boolean(self, key, default) -> bool:
         value = self._get(key, default)
@@ -93,19 +132,80 @@ class _Reader:
             raise ConfigError(f"{self.source}: {key}={value!r}; expected true or false")
         return value
 
+    def activation(self, key, default) -> str:
+        value = self._get(key, default)
+        if value not in ACTIVATIONS:
+            raise UnsupportedError(f"{self.source}: {key}={value!r}; supported: {', '.join(ACTIVATIONS)}")
+        return value
 
-def _rope_parameters(hf: dict, read: _Reader) -> tuple[float, dict | None]:
-    """(theta, scaling) from either the older `rope_theta`/`rope_scaling` keys or the newer
-    `rope_parameters` dict that transformers 5 writes."""
-    params = hf.get("rope_parameters")
+    def layer_types(self, num_layers: int, default) -> tuple[str, ...]:
+        """`layer_types` (one entry per layer), or `default` where config.json has none."""
+        value = self.hf.get("layer_types")
+        if value is None:
+            return tuple(default)
+        if not (isinstance(value, list) and len(value) == num_layers and all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{self.source}: layer_types={value!r}; expected a list of {num_layers} layer types")
+        unknown = sorted(set(value) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise UnsupportedError(f"{self.source}: layer_types {unknown} are not supported; "
+                                   f"supported: {FULL_ATTENTION}, {SLIDING_ATTENTION}")
+        return tuple(value)
+
+
+def uniform_sliding_window(read: ConfigReader, num_layers: int) -> dict:
+    """Mistral and Phi-3: `sliding_window`, when set, applies to every layer."""
+    window = read.optional_positive_int("sliding_window")
+    return {"sliding_window": window, "layer_types": (SLIDING_ATTENTION if window else FULL_ATTENTION,) * num_layers}
+
+
+def read_ropes(read: ConfigReader, head_dim: int, max_positions: int, partial_rotary: bool) -> tuple[Rope, Rope | None]:
+    """(RoPE of full-attention layers, RoPE of sliding layers if config.json gives them their own).
+
+    Reads the newer `rope_parameters` dict that transformers 5 writes (nested per layer type for
+    Gemma 3) or the older `rope_theta`/`rope_scaling` keys."""
+    params = read.hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(FULL_ATTENTION), dict):
+        local = params.get(SLIDING_ATTENTION)
+        return (_rope(read, params[FULL_ATTENTION], head_dim, max_positions, partial_rotary),
+                _rope(read, local, head_dim, max_positions, partial_rotary) if isinstance(local, dict) else None)
     if isinstance(params, dict):
-        theta = _Reader(params, f"{read.source} (rope_parameters)").positive_float(
-            "rope_theta", read.positive_float("rope_theta", 10000.0))
-        scaling = None if params.get("rope_type", "default") == "default" else params
-        return theta, scaling
-    scaling = hf.get("rope_scaling")
+        return _rope(read, params, head_dim, max_positions, partial_rotary), None
+    scaling = read.hf.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise ConfigError(f"{read.source}: rope_scaling={scaling!r}; expected an object or null")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return read.positive_float("rope_theta", 10000.0), scaling
+    return _rope(read, scaling or {}, head_dim, max_positions, partial_rotary), None
+
+
+def _rope(read: ConfigReader, params: dict, head_dim: int, max_positions: int, partial_rotary: bool) -> Rope:
+    where = f"{read.source} (rope parameters)"
+    own = ConfigReader(params, where)
+    theta = own.positive_float("rope_theta", read.positive_float("rope_theta", 10000.0))
+    dim = head_dim
+    if partial_rotary:
+        fraction = own.positive_float("partial_rotary_factor", read.positive_float("partial_rotary_factor", 1.0))
+        dim = int(head_dim * fraction)
+        if fraction > 1 or dim < 2 or dim % 2:
+            raise ConfigError(f"{where}: partial_rotary_factor={fraction} leaves {dim} of {head_dim} dims to rotate; "
+                              f"expected an even number of at least 2")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return Rope(theta, dim)
+    if kind not in SCALED_ROPES:
+        raise UnsupportedError(f"{where}: rope_type {kind!r} is not supported; supported: default, "
+                               f"{', '.join(SCALED_ROPES)}")
+    scaling = {**params, "rope_type": kind}
+    if kind in ("linear", "llama3"):
+        own.positive_float("factor")
+    else:
+        # transformers lets a top-level original_max_position_embeddings win over the dict's.
+        original = read.positive_int("original_max_position_embeddings",
+                                     own.positive_int("original_max_position_embeddings", max_positions))
+        scaling["original_max_position_embeddings"] = original
+        scaling["factor"] = own.positive_float("factor", max_positions / original)
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = params.get(key)
+            if not (isinstance(factors, list) and len(factors) == dim // 2
+                    and all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
+                raise ConfigError(f"{where}: {key} must list {dim // 2} positive numbers (one per rotated pair)")
+    return Rope(theta, dim, scaling)

@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loaders.errors import UnsupportedError
 from loaders.kv_cache import create_kv_scales, dequantize_kv, quantize_kv
 from loaders.parameters import make_parameter
 from loaders.shards import ShardLayout, copy_rows
 
-from .config import ModelConfig
+from .config import SLIDING_ATTENTION, ModelConfig, Rope
 
 
 class Linear(nn.Module):
@@ -73,19 +72,22 @@ def _copy_whole(param, loaded, shard_id):
     copy_rows(param, loaded, shard_id, layout=None)
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, with the config's RoPE scaling applied."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq.float()
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return (inv_freq / float(scaling["factor"])).float()
-    if kind == "llama3":
-        return _llama3_scaling(inv_freq, scaling).float()
-    raise UnsupportedError(f"rope_scaling type {kind!r} is not supported yet; supported: linear, llama3")
+def rope_frequencies(rope: Rope, long: bool = False) -> tuple[torch.Tensor, float]:
+    """[rope.dim // 2] fp32 inverse frequencies with the scaling applied, and the factor that
+    yarn and longrope multiply cos and sin by. long: longrope's factors for long sequences."""
+    dim = rope.dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = rope.scaling
+    if rope.kind == "default":
+        return inv_freq.float(), 1.0
+    if rope.kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float(), 1.0
+    if rope.kind == "llama3":
+        return _llama3_scaling(inv_freq, scaling).float(), 1.0
+    if rope.kind == "yarn":
+        return _yarn_scaling(inv_freq, rope), _yarn_attention_factor(scaling)
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)  # [dim // 2]
+    return (inv_freq / factors).float(), _longrope_attention_factor(scaling)
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -104,33 +106,114 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_tables(cfg: ModelConfig, length: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [length, head_dim], in the model dtype (angles computed in fp32)."""
-    inv_freq = rope_inverse_frequencies(cfg).to(device)
-    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)  # [length, head_dim], rotate-half layout
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+def _yarn_scaling(inv_freq: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """YaRN: dims that turn more than beta_fast times within the original context keep their
+    frequency, those turning fewer than beta_slow times are slowed by `factor`, a linear ramp between."""
+    scaling, dim = rope.scaling, rope.dim
+    factor, context = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns):  # the (fractional) dim whose wavelength fits `turns` times in the context
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-dim ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [dim // 2]
+    return (inv_freq / factor * ramp + inv_freq * (1 - ramp)).float()
+
+
+def _yarn_attention_factor(scaling: dict) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
+
+
+def _longrope_attention_factor(scaling: dict) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, context = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(context))
+
+
+def rope_tables(rope: Rope, length: int, dtype, device, long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [length, rope.dim], in the model dtype (angles computed in fp32)."""
+    inv_freq, attention_factor = rope_frequencies(rope, long)
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq.to(device))
+    angles = torch.cat([angles, angles], dim=-1)  # [length, rope.dim], rotate-half layout
+    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position of the static cache for one Rope, looked up by position."""
+
+    def __init__(self, rope: Rope):
+        super().__init__()
+        self.rope = rope
+        # Longrope, as transformers runs it, uses its long factors for every position of a
+        # forward pass that reaches past the original context, its short factors otherwise.
+        self.long_from = rope.scaling["original_max_position_embeddings"] if rope.kind == "longrope" else None
+        for name in ("cos", "sin", "long_cos", "long_sin"):
+            self.register_buffer(name, None, persistent=False)  # set by allocate
+
+    def allocate(self, length: int, dtype, device) -> None:
+        self.cos, self.sin = rope_tables(self.rope, length, dtype, device)  # [S, rope.dim] each
+        if self.long_from is not None:
+            self.long_cos, self.long_sin = rope_tables(self.rope, length, dtype, device, long=True)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, rope.dim]."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        if self.long_from is None:
+            return cos, sin
+        long = positions.max() >= self.long_from  # [] bool: a select in the graph, not a branch
+        return torch.where(long, self.long_cos[positions], cos), torch.where(long, self.long_sin[positions], sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, hd]; cos/sin: [T, hd]. Rotate-half convention (as HF checkpoints use)."""
-    half = x.shape[-1] // 2
+    """x: [B, heads, T, hd]; cos/sin: [T, rot]. Rotate-half convention (as HF checkpoints use);
+    with rot < hd only the first rot dims rotate (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype):
+    """Grouped-query attention over a static KV cache.
+
+    norm_cls: the norm of q/k heads when cfg.qk_norm; fused_checkpoint: the checkpoint stores
+    q/k/v as one `qkv_proj` tensor (Phi-3), which then loads whole instead of by shards."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, norm_cls, fused_checkpoint: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(
-            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias, dtype=dtype,
-            shard_ids=("q", "k", "v"), method=scheme.method_for([f"{prefix}.{p}_proj" for p in "qkv"]),
-        )
+        if fused_checkpoint:
+            shards = dict(method=scheme.method_for(f"{prefix}.qkv_proj"))
+        else:
+            shards = dict(shard_ids=("q", "k", "v"), method=scheme.method_for([f"{prefix}.{p}_proj" for p in "qkv"]))
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias, dtype=dtype, **shards)
         self.o_proj = Linear(
             q_size, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.o_proj")
         )
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
+        self.softcap = cfg.attn_logit_softcap
         self.register_buffer("k_cache", None, persistent=False)  # set by allocate_cache
         self.register_buffer("v_cache", None, persistent=False)
         self.fp8_cache = scheme.kv_cache_fp8 is not None
@@ -144,7 +227,7 @@ class Attention(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(self, x, cos, sin, mask, input_pos):
-        """x: [B, T, D]; cos/sin: [T, hd]; mask: [T, S] bool (True = may attend);
+        """x: [B, T, D]; cos/sin: [T, rot]; mask: [T, S] bool (True = may attend);
         input_pos: [T] positions to write into the KV cache, or None to attend within x only."""
         bsz, seq, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -152,6 +235,8 @@ class Attention(nn.Module):
         q = q.view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, T, hd]
         v = v.view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is not None:
             k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]
@@ -168,37 +253,67 @@ class Attention(nn.Module):
         # share a KV head are folded into the query-length axis, and the mask repeated to match.
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(bsz, self.num_kv_heads, group * seq, self.head_dim)  # [B, KVH, G*T, hd]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
+        mask = mask.repeat(group, 1)  # [G*T, S]
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         out = out.view(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2).reshape(bsz, seq, q_size)
         return self.o_proj(out)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention whose scores pass through cap * tanh(scores / cap) before the mask (Gemma 2),
+    a step SDPA has no hook for. q: [B, KVH, G*T, hd]; k, v: [B, KVH, S, hd]; mask: [G*T, S]."""
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, KVH, G*T, S]
+    scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
-    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype):
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, fused_checkpoint: bool):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(
-            cfg.hidden_size, [inter, inter], bias=False, dtype=dtype, shard_ids=(0, 1),
-            method=scheme.method_for([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
-        )
+        if fused_checkpoint:
+            shards = dict(method=scheme.method_for(f"{prefix}.gate_up_proj"))
+        else:
+            shards = dict(shard_ids=(0, 1), method=scheme.method_for([f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype, **shards)
         self.down_proj = Linear(
             inter, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.down_proj")
         )
+        self.act = ACTIVATION_FUNCTIONS[cfg.hidden_act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype):
+    """x + attn(norm(x)), then x + mlp(norm(x)). Families change the class attributes."""
+
+    norm_cls = RMSNorm
+    fused_checkpoint = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+
+    def __init__(self, cfg: ModelConfig, index: int, scheme, dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", scheme, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg, f"{prefix}.mlp", scheme, dtype)
+        prefix = f"model.layers.{index}"
+        self.sliding = cfg.layer_types[index] == SLIDING_ATTENTION  # the model picks its mask and RoPE by this
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", scheme, dtype, norm_cls=self.norm_cls,
+                                   fused_checkpoint=self.fused_checkpoint)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg, f"{prefix}.mlp", scheme, dtype, fused_checkpoint=self.fused_checkpoint)
 
     def forward(self, x, cos, sin, mask, input_pos):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)

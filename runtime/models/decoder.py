@@ -1,0 +1,106 @@
+"""The decoder-only causal LM every family builds on: embeddings, a stack of DecoderLayers, the
+final norm and lm_head, the rotary tables and the masks. Families override class attributes,
+`read_config`, and the `embed`/`logits` ends."""
+
+import torch
+from torch import nn
+
+from loaders.kv_cache import KV_SCALE_RENAMES
+
+from .config import ModelConfig
+from .layers import DecoderLayer, Embedding, Linear, RotaryEmbedding
+
+# (fused parameter, checkpoint shard name, shard id): checkpoints store q/k/v and gate/up
+# separately; qrt runs each group as one matmul.
+SEPARATE_PROJECTIONS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+class DecoderModel(nn.Module):
+    """The checkpoint's `model.` part."""
+
+    def __init__(self, cfg: ModelConfig, scheme, dtype, layer_cls):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, scheme, dtype) for i in range(cfg.num_layers))
+        self.norm = layer_cls.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    layer_cls = DecoderLayer
+    stacked_params = SEPARATE_PROJECTIONS
+    # Checkpoint names that other exporters give tensors qrt loads under another name.
+    renamed_tensors = KV_SCALE_RENAMES
+    # Checkpoint tensors that carry nothing qrt needs (derived buffers some exporters save).
+    ignored_tensor_suffixes = ("rotary_emb.inv_freq",)
+    # Values the family's transformers config class assumes when config.json leaves a key out.
+    config_defaults: dict = {}
+
+    @classmethod
+    def read_config(cls, hf_config: dict, source) -> ModelConfig:
+        return ModelConfig.from_hf({**cls.config_defaults, **hf_config}, cls.__name__, source=source)
+
+    def __init__(self, hf_config: dict, scheme, dtype, source="config.json"):
+        super().__init__()
+        self.config = cfg = self.read_config(hf_config, source)
+        self.dtype = dtype
+        self.model = DecoderModel(cfg, scheme, dtype, self.layer_cls)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, dtype=dtype,
+                              method=scheme.method_for("lm_head"))
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope)
+        self.sliding_window = cfg.sliding_window if any(layer.sliding for layer in self.model.layers) else None
+        self.max_seq_len = 0
+
+    def tied_tensor_names(self) -> tuple:
+        """Checkpoint tensors that alias another one in this model and may be skipped."""
+        return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+
+    def allocate_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Rotary tables and the static KV cache; called once the weights are materialized."""
+        device = self.model.embed_tokens.weight.device
+        for rotary in (self.rotary, self.local_rotary):
+            if rotary is not None:
+                rotary.allocate(max_seq_len, self.dtype, device)
+        for layer in self.model.layers:
+            layer.self_attn.allocate_cache(max_batch_size, max_seq_len, self.dtype, device)
+        self.max_seq_len = max_seq_len
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [B, T, D]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x).float()  # [B, T, V] fp32
+
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids: [B, T] int64. With input_pos ([T] positions) K/V go to the static cache
+        and attention covers everything cached so far; without it, plain causal attention
+        within input_ids (no cache). Returns float32 logits [B, T, V] ([B, 1, V] if last_only)."""
+        seq = input_ids.shape[1]
+        if input_pos is None:
+            positions = keys = torch.arange(seq, device=input_ids.device)  # [T]
+        else:
+            positions = input_pos
+            keys = torch.arange(self.max_seq_len, device=input_ids.device)  # [S]: the whole cache
+        mask = keys[None, :] <= positions[:, None]  # [T, S] causal
+        sliding_mask = mask
+        if self.sliding_window is not None:
+            sliding_mask = mask & (keys[None, :] > positions[:, None] - self.sliding_window)  # [T, S]
+        rope = self.rotary(positions)  # cos, sin: [T, rot] each
+        local_rope = rope if self.local_rotary is None else self.local_rotary(positions)
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            cos, sin = local_rope if layer.sliding else rope
+            x = layer(x, cos, sin, sliding_mask if layer.sliding else mask, input_pos)
+        x = self.model.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        return self.logits(x)

@@ -1,0 +1,228 @@
+"""Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 against transformers on tiny sharded checkpoints:
+logits, greedy tokens, one graph per compiled function with no graph breaks, no decode
+recompiles, online fp8 through the swap pass; plus the RoPE scalings and Phi-3's fused layers."""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime
+from arch_checkpoints import ARCHS, make_arch_checkpoint
+from tiny_checkpoints import make_checkpoint, relative_l2
+
+LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
+TINY_LAYERS = 2
+# Longer than every sliding window and than the original context (32) of the scaled RoPEs.
+PARITY_SHAPE = (2, 40)
+
+
+def _ids(seed, shape):
+    return torch.randint(0, 300, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass
+class Arch:
+    name: str
+    folder: Path
+    hf: torch.nn.Module  # float32 transformers model holding the checkpoint's weights
+    models: dict = field(default_factory=dict)
+
+    def compiled(self, quant=None):
+        if quant not in self.models:
+            self.models[quant] = runtime.compile_model(self.folder, quant=quant, progress=False, max_seq_len=128)
+        return self.models[quant]
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request, tmp_path_factory):
+    """One architecture's checkpoint and compiled models; pytest runs the tests grouped by it.
+
+    Dynamo keeps its automatic-dynamic record per function name and line, which every
+    CompiledModel in a process shares: after a model with other head sizes it would mark
+    head_dim and the attention scale dynamic and compile prefill twice. Resetting Dynamo
+    between architectures (and after the last) keeps each group, and the modules after this
+    one, as in a fresh process."""
+    torch._dynamo.reset()
+    folder = tmp_path_factory.mktemp(request.param)
+    yield Arch(request.param, folder, make_arch_checkpoint(folder, request.param))
+    torch._dynamo.reset()
+
+
+def test_checkpoint_is_sharded(arch):
+    index = json.loads((arch.folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (arch.folder / "model.safetensors").exists()
+
+
+def test_compiled_logits_match_transformers(arch):
+    ids = _ids(0, PARITY_SHAPE)
+    with torch.no_grad():
+        expected = arch.hf(ids).logits
+    got = arch.compiled()(ids)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert relative_l2(got, expected) < 1e-3
+
+
+def test_greedy_generation_matches_transformers(arch):
+    prompt = _ids(1, (1, 10))  # ends at position 25: Phi-3 stays on its short RoPE factors (see below)
+    with torch.no_grad():
+        expected = arch.hf.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    got = arch.compiled().generate(prompt[0].tolist(), max_new_tokens=16, stop_at_eos=False)
+    assert got == expected[0, 10:].tolist()
+
+
+def test_one_graph_per_function_and_no_decode_recompiles(arch):
+    model = arch.compiled()
+    model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
+    model(_ids(0, PARITY_SHAPE))  # the forward graph is not dynamic: another shape would recompile it
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    # 24 decode steps cross the sliding windows and, for Phi-3, the long-RoPE switch at 32.
+    with torch.compiler.set_stance("fail_on_recompile"):
+        model.generate(list(range(10, 27)), max_new_tokens=24, stop_at_eos=False)
+        model.generate([3, 1, 4, 1, 5], max_new_tokens=4, stop_at_eos=False)
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+
+
+def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
+    model = arch.compiled("fp8")
+    model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        model.generate(list(range(10, 30)), max_new_tokens=16, stop_at_eos=False)
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}
+    expected_ops = LINEARS_PER_LAYER * TINY_LAYERS
+    for role in ("prefill", "decode"):
+        (graph,) = model.backends[role].log.graphs
+        (swap,) = graph.passes
+        assert swap.ops_before.get("qrt.fp8_linear", 0) == expected_ops, role
+        assert swap.ops_after.get("qrt.fp8_linear", 0) == 0, role
+        assert swap.ops_after.get("qrt.fp8_linear_cpu", 0) == expected_ops, role
+    ids = _ids(4, (1, 40))
+    eager = runtime.compile_model(arch.folder, quant="fp8", compile=False, progress=False, max_seq_len=128)
+    with torch.no_grad():
+        got = model._prefill(ids)[0, -1]
+        reference = eager._prefill(ids)[0, -1]
+        unquantized = arch.hf(ids).logits[0, -1]
+    # The swapped kernel computes what the logical op's reference computes (same fp8 codes and
+    # scales; an activation on a rounding boundary may pick the neighbouring code).
+    assert relative_l2(got, reference) < 1e-3
+    # e4m3 weights and activations move these deliberately sharp tiny models' logits by 8-18%;
+    # a lost scale or shard moves them by 100% or more.
+    assert relative_l2(got, unquantized) < 0.3
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_dynamo_explain_finds_no_graph_breaks(arch, role):
+    # Last in the group: explain() resets Dynamo, which discards the compiled graphs above.
+    model = arch.compiled()
+    length = 6 if role == "prefill" else 1
+    ids = torch.arange(length).view(1, -1) + 3
+    with torch.no_grad():
+        result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
+    assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("phi3-eager")
+    return folder, make_arch_checkpoint(folder, "phi3")
+
+
+def test_phi3_long_rope_switches_per_forward_pass_like_transformers_with_a_cache(phi3):
+    """Longrope's factors are chosen per forward pass: short while every position is inside the
+    original context, long from position 32 on; keys already cached keep their rotation, as
+    in transformers' model run step by step with a cache. (transformers' generate() instead
+    recomputes the whole cache with the long factors at the switch.)"""
+    import transformers
+
+    folder, hf = phi3
+    model = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
+    ids = _ids(5, (1, 40))
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        expected = hf(ids[:, :28], cache=cache, use_cache=True).logits[:, -1]
+        assert relative_l2(model._prefill(ids[:, :28])[:, -1], expected) < 1e-4
+        for pos in range(28, 40):
+            expected = hf(ids[:, pos:pos + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[pos]])).logits
+            got = model._run("decode", ids[:, pos:pos + 1], torch.tensor([pos]))
+            assert relative_l2(got[0, -1], expected[0, -1]) < 1e-4, pos
+
+
+def test_phi3_fused_layers_load_a_per_channel_fp8_checkpoint(phi3, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj are single checkpoint tensors: per-channel fp8
+    weights and scales load into them whole and give the dequantized model's logits."""
+    from safetensors.torch import load_file, save_file
+
+    from fp8_checkpoints import quantize_channel
+
+    folder, hf = phi3
+    state = {}
+    for path in folder.glob("*.safetensors"):
+        state.update(load_file(path))
+    tensors, dequantized = {}, {}
+    for name, value in state.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            codes, scale = quantize_channel(value)  # [N, K] e4m3, [N, 1] fp32
+            scale = scale.to(torch.bfloat16)  # compressed-tensors keeps scales in bf16
+            tensors[name], tensors[f"{module}.weight_scale"] = codes, scale
+            dequantized[name] = codes.float() * scale.float()
+        else:
+            tensors[name] = value
+    (tmp_path / "ckpt").mkdir()
+    save_file(tensors, str(tmp_path / "ckpt/model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**fp8, "dynamic": False, "strategy": "channel"},
+                                      "input_activations": {**fp8, "dynamic": True, "strategy": "token"}}},
+    }
+    (tmp_path / "ckpt/config.json").write_text(json.dumps(config))
+    model = runtime.compile_model(tmp_path / "ckpt", compile=False, progress=False, max_seq_len=64)
+    assert model.scheme.describe().startswith("fp8 (compressed-tensors: channel")
+    fused = {name: m for name, m in model.model.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))}
+    assert len(fused) == 2 * TINY_LAYERS
+    for name, module in fused.items():
+        # Loaded whole: every row carries its own scale, so the weight is exactly the checkpoint's.
+        weight = module.weight.float() * module.weight_scale[:, None]
+        assert torch.equal(weight, dequantized[f"{name}.weight"]), name
+    reference = type(hf)(hf.config).eval()
+    reference.load_state_dict({**hf.state_dict(), **dequantized})
+    ids = _ids(6, (1, 20))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    # Only the per-token fp8 activations differ from the reference (about 8% here).
+    assert relative_l2(model(ids), expected) < 0.3
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "linear", "factor": 2.0},
+], ids=["llama3", "yarn", "linear"])
+def test_rope_scalings_of_llama_configs_match_transformers(rope, tmp_path):
+    hf = make_checkpoint(tmp_path, "llama", rope_parameters={**rope, "rope_theta": 500.0})
+    model = runtime.compile_model(tmp_path, compile=False, progress=False, max_seq_len=64)
+    ids = _ids(7, (1, 48))
+    with torch.no_grad():
+        assert relative_l2(model(ids), hf(ids).logits) < 1e-4
+
+
+def test_inspect_of_an_unknown_architecture_names_every_supported_one(tmp_path, capsys):
+    from runtime.cli import main
+
+    make_arch_checkpoint(tmp_path, "mistral")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["MambaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "MambaForCausalLM" in err
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        assert name in err
