@@ -8,7 +8,8 @@ into one canonical layout, which this reference and the GPU kernel read:
   LSB-first (input channel k of column n sits at word k // pf, bits bits * (k % pf)). Values
   are unsigned, in [0, 2**bits).
 - scales, zeros: [ceil(K / G), N] floats, one row per group of G consecutive input channels (the
-  last group may be partial). zeros are zero points in integer units, so
+  last group may be partial). zeros are zero points in units of the scale (checkpoint formats
+  store integers, online int4 uses fractional ones), so
   W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n].
 - perm: int64 [K] or None. Act-order checkpoints have their input channels reordered so that
   groups are contiguous; the activation columns are then gathered with `perm` to match.

@@ -1,7 +1,8 @@
 """`quant="int4"` and `quant="int8"`: integer weights quantized from a bf16 checkpoint while it loads.
 
 - int4: asymmetric, round to nearest, groups of 128 input channels (or the largest of 128, 64, 32
-  dividing K, so that the CPU kernel can run it), integer zero points.
+  dividing K, so that the CPU kernel can run it), fractional zero points: code 0 is the group's
+  minimum, as in llama.cpp's Q4_1 and the float zero points of ATen's int4 CPU kernel.
 - int8: symmetric per output channel, codes in [-127, 127].
 
 Each weight is quantized the moment it streams in and stored packed (int32 words along K), so the
@@ -42,7 +43,8 @@ def quantize_int_rows(w: torch.Tensor, bits: int, group_size: int, scale_dtype: 
     """Round-to-nearest integer quantization of w [n, K] in groups of `group_size` along K.
 
     Returns (q [n, K] int32 unsigned, scales [n, groups] scale_dtype, zeros [n, groups] fp32)
-    with w ≈ (q - zeros) * scales. 8-bit is symmetric (zero 128), lower widths asymmetric."""
+    with w ≈ (q - zeros) * scales. 8-bit is symmetric (zero 128); lower widths are asymmetric with
+    fractional zero points."""
     n, k = w.shape
     groups = group_count(k, group_size)
     padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))  # [n, groups * G]
@@ -58,10 +60,12 @@ def quantize_int_rows(w: torch.Tensor, bits: int, group_size: int, scale_dtype: 
         # Pad with each row's last value, which lies in the partial group: padding never widens its range.
         grid = torch.where(torch.arange(groups * group_size).view(groups, group_size) < k, grid,
                            w.float()[:, -1:, None])
-        low, high = grid.amin(dim=-1).clamp(max=0), grid.amax(dim=-1).clamp(min=0)  # keep 0 representable
+        low, high = grid.amin(dim=-1), grid.amax(dim=-1)  # [n, groups]
         scales = ((high - low) / maxq).clamp(min=_MIN_SCALE).to(scale_dtype)
-        zeros = (-low / scales.float()).round().clamp(0, maxq)
-        q = ((grid / scales.float()[..., None]).round() + zeros[..., None]).clamp(0, maxq)
+        # A fractional zero point puts code 0 exactly on the group's minimum (W = q * s + min): both
+        # ends of the range are used, where an integer zero wastes up to half a step at each end.
+        zeros = -low / scales.float()
+        q = ((grid / scales.float()[..., None]) + zeros[..., None]).round().clamp(0, maxq)
     return q.reshape(n, -1)[:, :k].to(torch.int32), scales, zeros
 
 

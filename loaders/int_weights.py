@@ -41,7 +41,7 @@ class IntWeights:
 
     q: torch.Tensor  # [K, N] int32, unsigned values in [0, 2**bits)
     scales: torch.Tensor  # [ceil(K / G), N] float
-    zeros: torch.Tensor  # [ceil(K / G), N] float, zero points in integer units
+    zeros: torch.Tensor  # [ceil(K / G), N] float, zero points in units of the scale (may be fractional)
     bits: int
     group_size: int  # G; equal to K for one group per channel
     g_idx: torch.Tensor | None = None  # [K] group of each input channel (act-order checkpoints)
@@ -104,7 +104,7 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
                                       storage_layout=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
                                       kernel="qrt.int_linear_triton")
         layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(device))  # [K / G, N]
-        layer.zeros = make_parameter(w.zeros.to(layer.scales.dtype).to(device))  # [K / G, N], integers exact
+        layer.zeros = make_parameter(_exact_dtype(w.zeros, dtype).to(device))  # [K / G, N]
     elif layout == INT4PACK:
         cpu_group = int4_cpu_group(k, n, w.group_size)
         packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,

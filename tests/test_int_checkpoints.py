@@ -13,6 +13,7 @@ import runtime
 from int_checkpoints import ct_config, make_int_checkpoint
 from loaders.config import LoadConfig
 from loaders.errors import CheckpointError, UnsupportedError
+from loaders.int_online import quantize_int_rows
 from tiny_checkpoints import relative_l2
 
 
@@ -243,3 +244,18 @@ def test_compressed_tensors_weight_shape_must_match_the_layer(tmp_path, checkpoi
         {"model.layers.0.mlp.up_proj.weight_shape": torch.tensor([160, 63])}))
     with pytest.raises(CheckpointError, match=r"up_proj\.weight_shape'.*holds \[160, 63\].*\[160, 64\]"):
         runtime.compile_model(copy, compile=False, progress=False)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 48), (8, 80)])
+def test_online_quantizer_rounds_to_nearest_within_half_a_step(bits, group_size):
+    w = torch.randn(24, 80, generator=torch.Generator().manual_seed(bits)) * 0.05
+    w[3, :group_size] = 0.01  # a constant group must not divide by zero
+    q, scales, zeros = quantize_int_rows(w, bits, group_size, torch.float32)
+    assert q.min() >= 0 and q.max() < 2**bits
+    g = torch.arange(80) // group_size  # 80 = 1.67 groups of 48: a partial last group
+    dequantized = (q.float() - zeros[:, g]) * scales[:, g]
+    assert ((dequantized - w).abs() <= scales[:, g] / 2 + 1e-7).all()
+    if bits == 4:  # asymmetric: each group's minimum gets code 0, its maximum the top code
+        for group in range(int(g.max()) + 1):
+            codes = q[:, g == group]
+            assert (codes.amin(dim=1) == 0).all() and (codes.amax(dim=1)[torch.arange(24) != 3] == 15).all()
