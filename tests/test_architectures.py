@@ -1,6 +1,7 @@
 """Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 against transformers on tiny sharded checkpoints:
 logits, greedy tokens, one graph per compiled function with no graph breaks, no decode
-recompiles, online fp8 through the swap pass; plus the RoPE scalings and Phi-3's fused layers."""
+recompiles, online fp8 through the swap pass; plus the RoPE scalings, Phi-3's fused layers and
+the older config.json layouts of these families."""
 
 import json
 from dataclasses import dataclass, field
@@ -211,6 +212,38 @@ def test_rope_scalings_of_llama_configs_match_transformers(rope, tmp_path):
     ids = _ids(7, (1, 48))
     with torch.no_grad():
         assert relative_l2(model(ids), hf(ids).logits) < 1e-4
+
+
+OLDER_CONFIGS = {
+    # architecture: (transformers config class, config.json keys in the older layouts checkpoints still ship)
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
+        head_dim=16, rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=512, sliding_window_pattern=6)),
+    "Phi3ForCausalLM": ("Phi3Config", dict(
+        original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})),
+    "Qwen2ForCausalLM": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=256, max_window_layers=8)),
+    "MistralForCausalLM": ("MistralConfig", {}),  # no sliding_window key: transformers assumes 4096
+}
+
+
+@pytest.mark.parametrize("name", OLDER_CONFIGS)
+def test_older_config_layouts_read_as_transformers_reads_them(name):
+    import transformers
+
+    config_name, keys = OLDER_CONFIGS[name]
+    hf_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=131072, **keys)
+    theirs = getattr(transformers, config_name)(**hf_config)
+    ours = runtime.ModelRegistry.resolve({"architectures": [name]}).read_config(hf_config, "config.json")
+    every_layer = "sliding_attention" if theirs.sliding_window else "full_attention"
+    assert ours.layer_types == tuple(getattr(theirs, "layer_types", None) or [every_layer] * 12)
+    assert ours.sliding_window == theirs.sliding_window
+    rope = theirs.rope_parameters.get("full_attention", theirs.rope_parameters)
+    assert (ours.rope.theta, ours.rope.kind) == (rope["rope_theta"], rope["rope_type"])
+    assert ours.rope.dim == int(16 * rope.get("partial_rotary_factor", 1.0))
+    if "sliding_attention" in theirs.rope_parameters:
+        assert ours.local_rope.theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
 
 
 def test_inspect_of_an_unknown_architecture_names_every_supported_one(tmp_path, capsys):
