@@ -17,6 +17,8 @@ CompositeImplicitAutograd: in a compiled graph Inductor fuses the per-token quan
 and the rescaling after into generated C++ around the one ATen call.
 """
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,26 @@ _lib.define(
 )
 
 
+@cache
+def _unit_scales(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.bfloat16, device=device)  # [N]
+
+
+@torch.library.custom_op("qrt::int8_matmul_cpu", mutates_args=())
+def int8_matmul_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: bf16 [M, K] (K a multiple of 16) times int8 weight [N, K]^T -> bf16 [M, N].
+
+    Its own opaque op rather than the ATen call inside the composite below: ATen's scale argument
+    must be ones here, and in a compiled graph Inductor's lowering of `_weight_int8pack_mm` wants
+    that argument as a buffer while it keeps a constant of ones unbuffered (a LoweringException)."""
+    return torch.ops.aten._weight_int8pack_mm(x, weight, _unit_scales(weight.shape[0], weight.device))
+
+
+@int8_matmul_cpu.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def int8_linear_cpu(x, weight, weight_scale, input_scale, input_zero_point, weight_sums, bias):
     """x: [..., K]; weight: int8 [N, K]; weight_scale: fp32 [N]. Returns [..., N] in x.dtype."""
     k = x.shape[-1]
@@ -45,7 +67,7 @@ def int8_linear_cpu(x, weight, weight_scale, input_scale, input_zero_point, weig
     if pad:
         # Zero columns add nothing; with freezing the weight's padding is folded at compile time.
         grid, weight = F.pad(grid, (0, pad)), F.pad(weight, (0, pad))
-    acc = torch.ops.aten._weight_int8pack_mm(grid, weight, weight_scale.new_ones(n, dtype=torch.bfloat16))  # [M, N]
+    acc = torch.ops.qrt.int8_matmul_cpu(grid, weight)  # [M, N] bf16
     out = acc.float() * x_scale * weight_scale.float()
     if bias is not None:
         out = out + bias.float()

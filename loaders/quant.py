@@ -11,12 +11,15 @@ from pathlib import Path
 
 from .awq import AwqLinearMethod, awq_config
 from .ct_int import CtIntLinearMethod, ct_int_config
+from .ct_w8a8 import CtW8A8LinearMethod, ct_w8a8_config
 from .errors import ConfigError, UnsupportedError
 from .fp8 import Fp8OnlineLinearMethod
 from .fp8_checkpoint import DYNAMIC_GROUP, DYNAMIC_TOKEN, STATIC_TENSOR, Fp8CheckpointLinearMethod, Fp8Layout
 from .gptq import GptqLinearMethod, dynamic_rules, gptq_config
 from .int_online import OnlineIntLinearMethod
+from .qqq import QqqLinearMethod, qqq_config
 from .unquantized import UnquantizedLinearMethod
+from .w8a8_online import W8A8OnlineLinearMethod
 
 # quant= values qrt applies to an unquantized checkpoint while loading it:
 # name -> (method factory taking the layer's checkpoint module names, description).
@@ -24,6 +27,7 @@ ONLINE_METHODS = {
     "fp8": (lambda names: Fp8OnlineLinearMethod(), "e4m3 weights per channel, activations per token"),
     "int4": (lambda names: OnlineIntLinearMethod(4), "4-bit weights, asymmetric groups of 128, bf16 activations"),
     "int8": (lambda names: OnlineIntLinearMethod(8), "8-bit weights per channel, bf16 activations"),
+    "w8a8": (lambda names: W8A8OnlineLinearMethod(), "int8 weights per channel, int8 activations per token"),
 }
 # Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json.
 QUANT_SIDE_FILES = ("quantize_config.json", "quant_config.json")
@@ -104,7 +108,7 @@ def detect_stored_scheme(hf_config: dict, config_path, folder=None) -> QuantSche
 
 def _read_quant_config(config: dict, method: str, source) -> QuantScheme:
     readers = {"fp8": _hf_fp8, "modelopt": _modelopt_config, "compressed-tensors": _compressed_tensors,
-               "gptq": _gptq, "awq": _awq}
+               "gptq": _gptq, "awq": _awq, "qqq": _qqq}
     if method not in readers:
         raise UnsupportedError(
             f"{source}: the checkpoint is pre-quantized with quant_method={method!r}, which this version "
@@ -153,6 +157,11 @@ def _gptq(config: dict, source) -> QuantScheme:
         return GptqLinearMethod(chosen.pop(), module_names)
 
     return QuantScheme("gptq", make, skip, base.describe(), quantized_lm_head=bool(config.get("lm_head", False)))
+
+
+def _qqq(config: dict, source) -> QuantScheme:
+    cfg = qqq_config(config, source)
+    return QuantScheme("qqq", lambda names: QqqLinearMethod(cfg, names), (), cfg.describe())
 
 
 def _awq(config: dict, source) -> QuantScheme:
@@ -234,8 +243,9 @@ def _compressed_tensors(config: dict, config_path) -> QuantScheme:
         skip.append("re:^(?!" + "|".join(_target_regex(t) for t in targets) + ").*$")
     if weights.get("type") == "int":
         if inputs is not None:
-            raise UnsupportedError(f"{config_path}: compressed-tensors int weights with quantized activations "
-                                   f"(W8A8, W4A8) are not supported yet; weight-only int (W4A16, W8A16) is")
+            w8a8 = ct_w8a8_config(fmt, weights, inputs, config_path)
+            return QuantScheme("compressed-tensors", lambda names: CtW8A8LinearMethod(w8a8, names), skip,
+                               w8a8.describe())
         if fmt not in ("pack-quantized", "naive-quantized", "int-quantized"):
             raise UnsupportedError(f"{config_path}: compressed-tensors format {fmt!r} with int weights is not "
                                    f"supported; supported: pack-quantized, naive-quantized, int-quantized")

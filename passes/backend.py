@@ -9,7 +9,7 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx
 
-from .manager import GraphReport, run_passes
+from .manager import GraphReport, passes_for, run_passes
 
 
 @dataclass
@@ -34,7 +34,8 @@ class QrtBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         report = GraphReport(f"{self.log.label}#{len(self.log.graphs)}")
         self.log.graphs.append(report)
-        gm = run_passes(gm, report)
+        device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+        gm = run_passes(gm, report, passes_for(device))
         if not self.inductor:
             return gm.forward
         # Patched globally for the duration of the compile, not passed as compile_fx's

@@ -5,9 +5,17 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from .base import GraphPass, count_ops
+from .fuse_act_quant import FuseActivationQuant
 from .swap_linear import SwapQuantizedLinear
 
 DEFAULT_PASSES: tuple[type[GraphPass], ...] = (SwapQuantizedLinear,)
+# CUDA graphs also get the passes that emit Triton kernels. On the CPU, Inductor already fuses
+# what FuseActivationQuant fuses (the quantization is part of a composite CPU kernel).
+CUDA_PASSES: tuple[type[GraphPass], ...] = DEFAULT_PASSES + (FuseActivationQuant,)
+
+
+def passes_for(device_type: str) -> tuple[type[GraphPass], ...]:
+    return CUDA_PASSES if device_type == "cuda" else DEFAULT_PASSES
 
 
 @dataclass

@@ -25,6 +25,13 @@ KERNEL_TABLE = {
     "qrt.int_linear": {
         ("cuda", "int"): ("qrt.int_linear_triton", "integer weights on a GPU: Triton GEMM unpacking and dequantizing the weight tile in registers"),
     },
+    "qrt.int8_linear": {
+        ("cuda", "int"): ("qrt.int8_linear_triton", "W8A8 on a GPU: Triton per-token int8 quantization, int8 GEMM with the rescale and zero-point correction in its epilogue"),
+        ("cpu", "int"): ("qrt.int8_linear_cpu", "CPU: int8 weights in ATen's int8-weight matmul, activations on the int8 grid per token (fused by Inductor)"),
+    },
+    "qrt.w4a8_linear": {
+        ("cuda", "int"): ("qrt.w4a8_linear_triton", "W4A8 on a GPU: Triton int8 GEMM turning 4-bit codes into int8 weights in registers"),
+    },
 }
 # Kernel ops a layer calls directly, because the loader pass already packed its weights in the
 # kernel's own opaque layout: nothing to swap, but they are listed with the choices.

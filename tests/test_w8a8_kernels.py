@@ -97,6 +97,23 @@ def test_cpu_int8_kernel_matches_reference(scheme, dtype, k):
         assert relative_l2(out, expected) < 5e-3
 
 
+@pytest.mark.parametrize("scheme", ["dynamic-asymmetric", "static-asymmetric"])
+def test_compiled_cpu_int8_kernel_equals_eager(scheme):
+    """What Inductor generates around the ATen matmul (quantization, zero point, rescale) computes
+    the same values as the ops run one by one."""
+    weight, weight_scale = random_int8_layer(40, 128, seed=1)
+    args = _scheme_args(scheme, weight)
+
+    def linear(x):
+        return torch.ops.qrt.int8_linear_cpu(x, weight, weight_scale, *args, None)
+
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        compiled = torch.compile(linear, fullgraph=True, dynamic=True)
+        for m in (1, 5):
+            x = _x(m, 128, shift=0.3)
+            assert torch.equal(compiled(x), linear(x))
+
+
 @settings(max_examples=20, deadline=None)
 @given(m=st.sampled_from([1, 3, 17]), k=st.integers(1, 1500), scheme=st.sampled_from(sorted(SCHEMES)),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))

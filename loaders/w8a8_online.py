@@ -1,0 +1,64 @@
+"""`quant="w8a8"`: int8 weights per output channel, quantized from a bf16 checkpoint while it loads,
+with int8 activations quantized dynamically per token at run time (`qrt::int8_linear`).
+
+Each weight is quantized the moment it streams in (its weight_loader does it), so the model
+never holds a layer in both bf16 and int8. Symmetric codes in [-127, 127] with an fp32 scale per
+row (amax / 127), so fused q/k/v and gate/up rows simply keep their own scales.
+"""
+
+from functools import partial
+
+import torch
+
+import kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from kernels.int8_reference import MIN_SCALE
+
+from .ct_w8a8 import annotate_int8_layout
+from .errors import TensorMismatch
+from .parameters import make_parameter
+from .shards import check_shape, copy_rows
+
+
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [n, K] float. Returns (q [n, K] int8 in [-127, 127], scale [n] fp32), w ≈ q * scale."""
+    w32 = w.float()
+    scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=MIN_SCALE)  # [n] fp32
+    q = (w32 / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [n, K]
+    return q, scale
+
+
+def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
+    """weight_loader of the int8 weight: quantize a float shard and write its codes and scales."""
+    if not loaded.dtype.is_floating_point or loaded.dtype.itemsize == 1:
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected a bf16/fp16/fp32 weight to quantize")
+    shards = layer.shard_layout
+    rows = param.data if shards is None else shards.rows(param.data, shard_id)
+    check_shape(loaded, rows.shape)
+    codes, scales = quantize_weight_int8(loaded)
+    rows.copy_(codes)
+    scale_rows = layer.weight_scale.data if shards is None else shards.rows(layer.weight_scale.data, shard_id)
+    scale_rows.copy_(scales)
+
+
+class W8A8OnlineLinearMethod:
+    name = "w8a8"
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k = layer.output_size, layer.input_size
+        # Filled by the weight's loader, never read from the checkpoint: no weight_loader.
+        layer.weight_scale = make_parameter(torch.empty(n, dtype=torch.float32), output_dim=0,  # [N] fp32
+                                            quant_format=self.name)
+        layer.weight = make_parameter(
+            torch.empty(n, k, dtype=torch.int8),  # [N, K] in [-127, 127]
+            weight_loader=partial(_quantize_into, layer=layer), input_dim=1, output_dim=0, quant_format=self.name,
+        )
+        if layer.has_bias:
+            layer.bias = make_parameter(torch.empty(n, dtype=dtype),  # [N], kept in the model dtype
+                                        weight_loader=partial(copy_rows, layout=layer.shard_layout), output_dim=0,
+                                        quant_format=self.name)
+
+    def process_after_loading(self, layer, device: torch.device) -> None:
+        annotate_int8_layout(layer, device, "int8 channel weights, int8 per-token activations (online)")
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, None, None, None, layer.bias)

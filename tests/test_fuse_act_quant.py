@@ -1,0 +1,143 @@
+"""The fuse_act_quant pass on Dynamo graphs: ops counted before and after, and the fused graph
+computing what the unfused one does (Triton ops interpreted on the CPU). The graphs come from a
+small module written like the models' layers and from the tiny W8A8 model itself, with the int8
+op targeted at its Triton kernel as the swap pass does on CUDA."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
+import kernels.int8_triton  # noqa: F401
+import kernels.w4a8_triton  # noqa: F401
+import runtime
+from kernels.int8_reference import weight_row_sums
+from kernels.int_reference import pack_rows
+from passes.base import count_ops
+from passes.fuse_act_quant import FuseActivationQuant
+from passes.manager import passes_for
+from runtime.models.layers import RMSNorm
+from tiny_checkpoints import relative_l2
+from w8a8_checkpoints import make_ct_w8a8_checkpoint
+
+
+def capture(fn, *args):
+    """Dynamo's graph of fn(*args) (fullgraph) and the real inputs it is called with."""
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"] = gm
+
+        def run(*inputs):
+            captured["inputs"] = inputs
+            return gm.forward(*inputs)
+
+        return run
+
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return captured["gm"], captured["inputs"]
+
+
+def fuse(gm):
+    fused = copy.deepcopy(gm)
+    changed = FuseActivationQuant().run(fused, None)
+    return fused, changed
+
+
+def qrt_ops(gm) -> dict:
+    return {name: count for name, count in count_ops(gm).items() if name.startswith("qrt.")}
+
+
+class Block(nn.Module):
+    """norm -> int8 gate_up -> silu * up -> int8 down, and a second norm -> W4A8 projection,
+    written as runtime/models/layers.py writes them."""
+
+    def __init__(self, dtype, asymmetric_down=False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        d, inter = 64, 96
+        self.norm, self.norm2 = RMSNorm(d, 1e-5, dtype), RMSNorm(d, 1e-6, dtype)
+        for norm in (self.norm, self.norm2):
+            norm.weight.data.copy_(torch.randn(d, generator=gen) * 0.1 + 1)
+        self.w_up = torch.randint(-127, 128, (2 * inter, d), generator=gen, dtype=torch.int8)
+        self.s_up = torch.rand(2 * inter, generator=gen) * 0.01
+        self.w_down = torch.randint(-127, 128, (d, inter), generator=gen, dtype=torch.int8)
+        self.s_down = torch.rand(d, generator=gen) * 0.01
+        self.sums_down = weight_row_sums(self.w_down) if asymmetric_down else None
+        self.qweight = pack_rows(torch.randint(0, 16, (d, 32), generator=gen), 4)  # [d / 8, 32]
+        self.group_scales = (torch.rand(1, 32, generator=gen) * 10 + 1).half().float()
+        self.channel_scales = torch.rand(32, generator=gen) * 1e-3
+
+    def forward(self, x):
+        gate, up = torch.ops.qrt.int8_linear_triton(self.norm(x), self.w_up, self.s_up, None, None, None,
+                                                    None).chunk(2, dim=-1)
+        h = x + torch.ops.qrt.int8_linear_triton(F.silu(gate) * up, self.w_down, self.s_down, None, None,
+                                                 self.sums_down, None)
+        return torch.ops.qrt.w4a8_linear_triton(self.norm2(h), self.qweight, self.group_scales, self.channel_scales,
+                                                None, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_silu_mul_quantization_fuse_and_compute_the_same(dtype):
+    block = Block(dtype)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gm, inputs = capture(block, x)
+    assert qrt_ops(gm) == {"qrt.int8_linear_triton": 2, "qrt.w4a8_linear_triton": 1}
+    fused, changed = fuse(gm)
+    assert changed == 3
+    assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 2, "qrt.silu_mul_quant_int8_triton": 1,
+                              "qrt.int8_gemm_triton": 2, "qrt.w4a8_gemm_triton": 1}
+    before, after = count_ops(gm), count_ops(fused)
+    # Gone: both norms' 8 ops (float, pow, mean, add, rsqrt, mul, to, mul) and chunk/getitem/silu/mul.
+    assert before.get("torch.rsqrt", 0) == 2 and after.get("torch.rsqrt", 0) == 0
+    assert after.get("torch.nn.functional.silu", 0) == 0
+    with torch.no_grad():
+        expected, got = gm(*inputs)[0], fused(*inputs)[0]
+    # Same roundings in the same order; only exp, the mean and rsqrt may differ in the last bit,
+    # which can move a code on a rounding edge by one.
+    assert relative_l2(got, expected) < 1e-3
+
+
+def test_what_is_not_fused():
+    """Asymmetric activations (the fused kernels are symmetric), and a norm whose output has a
+    second user, keep their unfused form."""
+    block = Block(torch.float32, asymmetric_down=True)
+
+    def shared_norm(x):
+        h = block.norm(x)
+        return torch.ops.qrt.int8_linear_triton(h, block.w_up, block.s_up, None, None, None, None), h
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    gm, _ = capture(block, x)
+    fused, changed = fuse(gm)
+    assert changed == 2  # norm -> gate_up and norm2 -> W4A8; the asymmetric down_proj stays
+    assert qrt_ops(fused)["qrt.int8_linear_triton"] == 1
+    gm, _ = capture(shared_norm, x)
+    assert fuse(gm)[1] == 0
+
+
+def test_the_pass_runs_on_cuda_graphs_only():
+    assert FuseActivationQuant in passes_for("cuda") and FuseActivationQuant not in passes_for("cpu")
+
+
+def test_fuses_the_tiny_w8a8_model_graph(tmp_path):
+    """On the real model graph: q/k/v and gate/up follow RMSNorms, down_proj follows silu * up;
+    o_proj follows attention and keeps its own quantization."""
+    make_ct_w8a8_checkpoint(tmp_path / "ckpt")
+    model = runtime.compile_model(tmp_path / "ckpt", compile=False, progress=False, max_seq_len=32).model
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(3))
+    gm, inputs = capture(lambda m, i: m(i), model, ids)
+    for node in gm.graph.nodes:  # what the swap pass does on CUDA
+        if node.op == "call_function" and node.target is torch.ops.qrt.int8_linear:
+            node.target = torch.ops.qrt.int8_linear_triton
+    gm.recompile()
+    fused, changed = fuse(gm)
+    assert changed == 6
+    assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 4, "qrt.silu_mul_quant_int8_triton": 2,
+                              "qrt.int8_gemm_triton": 6, "qrt.int8_linear_triton": 2}
+    with torch.no_grad():
+        assert relative_l2(fused(*inputs)[0], gm(*inputs)[0]) < 1e-5
