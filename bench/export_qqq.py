@@ -73,7 +73,8 @@ def export(src: Path, dst: Path, group_size: int) -> None:
     config["quantization_config"] = {"quant_method": "qqq", "wbits": 4, "group_size": group_size}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for extra in src.iterdir():  # tokenizer, chat template, generation config
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json",
+                                                                                     "model.safetensors.index.json"):
             shutil.copy(extra, dst / extra.name)
 
 

@@ -45,7 +45,7 @@ from .ct_w8a8 import annotate_int8_layout, check_scale
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from .int_weights import copy_ints, remove_parameters
 from .parameters import make_parameter
-from .shards import ShardLayout, check_shape, copy_rows
+from .shards import ShardLayout, copy_rows
 
 TILE = 16  # QQQ's tiles are 16x16
 CHUNK = 1024  # values per permutation run: 4 tiles, 64 output channels
@@ -180,9 +180,9 @@ class QqqLinearMethod:
         what = self.cfg.describe()
         if device.type == "cuda":
             self.layout = "packed"
-            layer.qweight = make_parameter(qweight.to(device), quant_format=what, kernel="qrt.w4a8_linear_triton",
-                                           storage_layout=f"int4 words along K [K/8, N], g{group_size} int8 "
-                                                          f"multipliers, fp32 channel scales")
+            layer.weight = make_parameter(qweight.to(device), quant_format=what, kernel="qrt.w4a8_linear_triton",
+                                          storage_layout=f"int4 words along K [K/8, N], g{group_size} int8 "
+                                                         f"multipliers, fp32 channel scales")
             layer.group_scales = make_parameter(group_scales.to(device))  # [K / G, N] fp32
             layer.channel_scales = make_parameter(channel_scales.to(device))  # [N] fp32
             return
@@ -204,7 +204,7 @@ class QqqLinearMethod:
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "packed":
-            return torch.ops.qrt.w4a8_linear(x, layer.qweight, layer.group_scales, layer.channel_scales, layer.bias,
+            return torch.ops.qrt.w4a8_linear(x, layer.weight, layer.group_scales, layer.channel_scales, layer.bias,
                                              self.group_size)
         return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, None, None, None, layer.bias)
 

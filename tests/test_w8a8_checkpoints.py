@@ -5,14 +5,18 @@ errors for malformed files."""
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
 import runtime
+from kernels.w4a8_reference import w4a8_int8_weights
 from loaders.ct_w8a8 import merge_static_inputs
 from loaders.errors import CheckpointError, ConfigError, UnsupportedError
+from loaders.qqq import QqqLinearMethod, qqq_config
 from tiny_checkpoints import relative_l2
 from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
 
@@ -163,7 +167,8 @@ def test_malformed_w8a8_checkpoints_get_clear_errors(tmp_path, checkpoints):
     with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) for {name}\.input_zero_point"):
         _eager(_rewrite(folder, tmp_path / "e", tensors=lambda s: s.pop(f"{name}.input_zero_point")))
     with pytest.raises(CheckpointError, match=rf"{name}\.weight'.*dtype torch\.bfloat16, expected torch\.int8"):
-        _eager(_rewrite(folder, tmp_path / "f", tensors=lambda s: s.update({f"{name}.weight": s[f"{name}.weight"].bfloat16()})))
+        _eager(_rewrite(folder, tmp_path / "f", tensors=lambda s: s.update(
+            {f"{name}.weight": s[f"{name}.weight"].bfloat16()})))
     with pytest.raises(CheckpointError, match=rf"{name}\.weight_scale'.*per-channel weight_scale has shape \[64\], "
                                               rf"expected \[64, 1\]"):
         _eager(_rewrite(folder, tmp_path / "g", tensors=lambda s: s.update(
@@ -204,7 +209,8 @@ def test_malformed_qqq_checkpoints_get_clear_errors(tmp_path, checkpoints, llama
     hf_config = json.loads((tiny / "config.json").read_text())
     hf_config["quantization_config"] = {"quant_method": "qqq", "wbits": 4, "group_size": -1}
     (tiny / "config.json").write_text(json.dumps(hf_config))
-    with pytest.raises(UnsupportedError, match=r"q_proj: QQQ needs output widths that are multiples of 64.*\[64, 32, 32\]"):
+    with pytest.raises(UnsupportedError, match=r"q_proj: QQQ needs output widths that are multiples of 64.*"
+                                               r"\[64, 32, 32\]"):
         _eager(tiny)
 
 
@@ -213,3 +219,26 @@ def test_quant_w8a8_on_a_stored_checkpoint_is_refused(checkpoints):
     with pytest.raises(UnsupportedError, match=r"quant='w8a8' was asked for.*pre-quantized"):
         runtime.compile_model(folder, quant="w8a8", compile=False, progress=False)
 
+
+
+@pytest.mark.parametrize("name", ["qqq-g128", "qqq-channel"])
+def test_qqq_gpu_layout_reproduces_the_checkpoint_and_runs_in_the_w4a8_kernel(name, checkpoints):
+    """The canonical W4A8 tensors the loader pass gives CUDA layers (built here without a GPU)
+    stand for exactly the weights QQQ's kernel computes with, and the Triton W4A8 GEMM
+    (interpreted) on them equals the int8 layout the CPU runs."""
+    folder, reference = checkpoints(name)
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    stored = load_file(str(folder / "model.safetensors"))
+    prefix = "model.layers.1.mlp.down_proj"
+    layer = SimpleNamespace(output_size=128, input_size=256, **{
+        leaf: SimpleNamespace(data=stored[f"{prefix}.{leaf}"].float() if leaf != "B" else stored[f"{prefix}.B"])
+        for leaf in ("B", "s_channel", "s_group")})
+    method = QqqLinearMethod(qqq_config(config, folder), [prefix])
+    qweight, group_scales, channel_scales, group = method.canonical(layer)
+    weight = w4a8_int8_weights(qweight, group_scales, group, 256).float() * channel_scales  # [K, N]
+    assert torch.equal(weight.t(), reference.get_submodule(prefix).weight)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    cpu_layer = _eager(folder).model.get_submodule(prefix)
+    expected = torch.ops.qrt.int8_linear(x, cpu_layer.weight, cpu_layer.weight_scale, None, None, None, None)
+    got = torch.ops.qrt.w4a8_linear_triton(x, qweight, group_scales, channel_scales, None, group)
+    assert relative_l2(got, expected) < 1e-6
