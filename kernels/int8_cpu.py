@@ -14,7 +14,7 @@ GEMV. `bench/cpu_int8_options.py` times it against the alternatives (`torch._int
 widened to bf16 once at load, an Inductor-fused dequantizing reduction).
 
 CompositeImplicitAutograd: in a compiled graph Inductor fuses the per-token quantization before
-and the rescaling after into generated C++ around the one ATen call.
+and the rescaling after into generated C++ around the one matmul call (`qrt::int8_matmul_cpu`).
 """
 
 from functools import cache
