@@ -8,7 +8,7 @@ reorders act-order groups, picks the kernel for the device and writes its layout
 |--------|---------------------------------------------|--------------------------------------|-------------------------|
 | CUDA   | 2/4/8-bit, contiguous groups                | int32 words along K + group scales   | `qrt::int_linear` → Triton |
 | CPU    | 4-bit, groups a multiple of 32, N % 16 == 0 | ATen int4 pack + scale/offset pairs  | `qrt::int4pack_linear`  |
-| CPU    | 8-bit, one group per channel                | int8 [N, K] + channel scales         | `qrt::int8pack_linear`  |
+| CPU    | 8-bit, one group per channel, K % 16 == 0   | int8 [N, K] + channel scales         | `qrt::int8pack_linear`  |
 | any    | anything else                               | dequantized to the model dtype       | `aten.linear`           |
 
 The ATen CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout
@@ -91,7 +91,7 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
         layout, detail = PACKED, ""
     elif w.bits == 4 and int4_cpu_group(k, n, w.group_size) is not None:
         layout, detail = INT4PACK, ""
-    elif w.bits == 8 and w.scales.shape[0] == 1:
+    elif w.bits == 8 and w.scales.shape[0] == 1 and k % 16 == 0:  # ATen's int8 kernel is wrong for other K
         layout, detail = INT8PACK, ""
     else:
         layout, detail = DENSE, f"no CPU kernel for {w.bits}-bit weights in groups of {w.group_size} ({n}x{k})"

@@ -1,5 +1,6 @@
 """`compile_model` and the CompiledModel it returns: forward and generate over compiled graphs."""
 
+import itertools
 import sys
 import time
 import types
@@ -19,6 +20,7 @@ from .registry import ModelRegistry
 from .sampling import SamplingParams, sample
 
 DEFAULT_MAX_SEQ_LEN = 2048
+_model_numbers = itertools.count()  # names each CompiledModel's functions apart (see _own_copy)
 
 
 def compile_model(
@@ -65,12 +67,12 @@ def compile_model(
     return compiled
 
 
-def _prefill(model, input_ids, input_pos):
-    return model(input_ids, input_pos, last_only=True)
+def _prefill(model, input_ids, input_pos, cache_positions):
+    return model(input_ids, input_pos, cache_positions, last_only=True)
 
 
-def _decode(model, input_ids, input_pos):
-    return model(input_ids, input_pos, last_only=True)
+def _decode(model, input_ids, input_pos, cache_positions):
+    return model(input_ids, input_pos, cache_positions, last_only=True)
 
 
 def _forward(model, input_ids):
@@ -78,9 +80,11 @@ def _forward(model, input_ids):
 
 
 def _own_copy(fn, name: str):
-    """A copy of `fn` with its own code object. Dynamo keeps its compiled-graph cache on the code
-    object, so each CompiledModel gets a cache of its own: a second model is then neither a
-    recompile of the first nor pushes it out of the cache."""
+    """A copy of `fn` with its own code object and name. Dynamo keeps its compiled-graph cache on
+    the code object, so each CompiledModel gets a cache of its own: a second model is then neither
+    a recompile of the first nor pushes it out of the cache. Its record of which sizes changed
+    between calls ("automatic dynamic") is kept per function name, so the name is unique too:
+    otherwise a second model with another head size would get that size traced as dynamic."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name)
 
@@ -106,8 +110,10 @@ class CompiledModel:
         self.compile_seconds: dict[str, float] = {}
         fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
         if compile:
+            number = next(_model_numbers)
             self._fns = {
-                role: torch.compile(_own_copy(fn, f"qrt_{role}"), backend=self.backends[role], fullgraph=True)
+                role: torch.compile(_own_copy(fn, f"qrt_{role}_{number}"), backend=self.backends[role],
+                                    fullgraph=True)
                 for role, fn in fns.items()
             }
         else:
@@ -119,7 +125,10 @@ class CompiledModel:
         input_ids = self._check_ids(input_ids, allow_batch=True)
         if input_ids.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
-        return self._run("forward", input_ids.to(self.device))
+        input_ids = input_ids.to(self.device)
+        if input_ids.shape[1] >= 2:  # one graph for every length (Dynamo specializes length 1)
+            torch._dynamo.mark_dynamic(input_ids, 1, min=2, max=self.max_seq_len)
+        return self._run("forward", input_ids)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0,
@@ -152,6 +161,9 @@ class CompiledModel:
         seq = ids.shape[1]
         new_ids: list[int] = []
         logits = self._prefill(ids)
+        # Longrope models (Phi-3) switch to their long factors past the original context; there
+        # transformers recomputes the whole sequence with them, so qrt does too.
+        recompute_at = self.model.rotary.long_from
         for step in range(max_new_tokens):
             token = sample(logits[:, -1], params, generator)  # [1]
             token_id = int(token)
@@ -160,21 +172,36 @@ class CompiledModel:
                 stream(token_id)
             if (stop_at_eos and token_id in self.eos_ids) or step == max_new_tokens - 1:
                 break
-            position = torch.tensor([seq + step], dtype=torch.long, device=self.device)
-            logits = self._run("decode", token.view(1, 1), position)
+            if seq + step == recompute_at:
+                logits = self._prefill(torch.cat([ids, torch.tensor([new_ids])], dim=1))
+            else:
+                logits = self._decode(token.view(1, 1), seq + step)
         return new_ids
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run a prompt from position 0, filling the KV cache; [1, 1, V] logits of its last token."""
         seq = ids.shape[1]
         ids = ids.to(self.device)
-        positions = torch.arange(seq, dtype=torch.long, device=self.device)
         if seq == 1:  # a one-token prompt is a decode step
-            return self._run("decode", ids, positions)
+            return self._decode(ids, 0)
+        positions = torch.arange(seq, dtype=torch.long, device=self.device)
         # Prompts vary in length: mark it dynamic so one graph serves them all. Only this dim:
         # `dynamic=True` would also turn Python floats (norm eps, fp8 limits) into graph inputs.
-        torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq_len)
-        torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_seq_len)
-        return self._run("prefill", ids, positions)
+        # A prompt leaves room for at least one new token: its length stays below the cache size.
+        torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq_len - 1)
+        torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_seq_len - 1)
+        return self._run("prefill", ids, positions, positions)
+
+    def _decode(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """One token [1, 1] at `position`; attends over the cache up to it, not the whole cache."""
+        input_pos = torch.tensor([position], dtype=torch.long, device=self.device)
+        # The attended length grows every step: a dynamic dim keeps it one graph. At least 2,
+        # because Dynamo specializes sizes 0 and 1 (the extra entry is masked out); below the
+        # cache size, which generation never reaches (the last token is sampled, not decoded),
+        # because slicing the whole cache would be traced as a special case.
+        cache_positions = torch.arange(max(position + 1, 2), dtype=torch.long, device=self.device)
+        torch._dynamo.mark_dynamic(cache_positions, 0, min=2, max=self.max_seq_len - 1)
+        return self._run("decode", token.to(self.device), input_pos, cache_positions)
 
     def _run(self, role: str, *args) -> torch.Tensor:
         with torch.no_grad(), inductor_config.patch(self._trace_config):

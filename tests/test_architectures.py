@@ -39,17 +39,9 @@ class Arch:
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def arch(request, tmp_path_factory):
-    """One architecture's checkpoint and compiled models; pytest runs the tests grouped by it.
-
-    Dynamo keeps its automatic-dynamic record per function name and line, which every
-    CompiledModel in a process shares: after a model with other head sizes it would mark
-    head_dim and the attention scale dynamic and compile prefill twice. Resetting Dynamo
-    between architectures (and after the last) keeps each group, and the modules after this
-    one, as in a fresh process."""
-    torch._dynamo.reset()
+    """One architecture's checkpoint and compiled models; pytest runs the tests grouped by it."""
     folder = tmp_path_factory.mktemp(request.param)
-    yield Arch(request.param, folder, make_arch_checkpoint(folder, request.param))
-    torch._dynamo.reset()
+    return Arch(request.param, folder, make_arch_checkpoint(folder, request.param))
 
 
 def test_checkpoint_is_sharded(arch):
@@ -68,10 +60,12 @@ def test_compiled_logits_match_transformers(arch):
 
 
 def test_greedy_generation_matches_transformers(arch):
-    prompt = _ids(1, (1, 10))  # ends at position 25: Phi-3 stays on its short RoPE factors (see below)
+    # 30 tokens past a 10-token prompt: crosses the sliding windows and, for Phi-3, the switch
+    # to long RoPE factors at 32, where generation recomputes the sequence as transformers does.
+    prompt = _ids(1, (1, 10))
     with torch.no_grad():
-        expected = arch.hf.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    got = arch.compiled().generate(prompt[0].tolist(), max_new_tokens=16, stop_at_eos=False)
+        expected = arch.hf.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    got = arch.compiled().generate(prompt[0].tolist(), max_new_tokens=30, stop_at_eos=False)
     assert got == expected[0, 10:].tolist()
 
 
@@ -147,7 +141,7 @@ def test_phi3_long_rope_switches_per_forward_pass_like_transformers_with_a_cache
         assert relative_l2(model._prefill(ids[:, :28])[:, -1], expected) < 1e-4
         for pos in range(28, 40):
             expected = hf(ids[:, pos:pos + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[pos]])).logits
-            got = model._run("decode", ids[:, pos:pos + 1], torch.tensor([pos]))
+            got = model._decode(ids[:, pos:pos + 1], pos)
             assert relative_l2(got[0, -1], expected[0, -1]) < 1e-4, pos
 
 

@@ -166,5 +166,5 @@ def test_modelopt_fp8_kv_cache_stores_e4m3_with_floored_scales(checkpoints, comp
     full = model(ids)[0]
     model._prefill(ids[:, :8])
     for pos in range(8, 12):
-        step = model._run("decode", ids[:, pos:pos + 1], torch.tensor([pos]))
+        step = model._decode(ids[:, pos:pos + 1], pos)
         assert relative_l2(step[0, -1], full[pos]) < 0.05

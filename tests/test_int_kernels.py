@@ -8,10 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch import nn
+
 import kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
 from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
-from kernels.int_reference import int_linear_reference
+from kernels.int_reference import int_linear_reference, unpack_rows
+from loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
 from tiny_checkpoints import relative_l2
 
 
@@ -116,3 +119,16 @@ def test_triton_int_gemm_half_precision_activations(dtype):
     assert out.shape == (1, 5, 72) and out.dtype == dtype
     expected = _reference(x.float(), {**layer, "scales": layer["scales"].to(dtype)})
     assert relative_l2(out, expected) < 1e-2
+
+
+@pytest.mark.parametrize("k,layout", [(48, "int8pack"), (40, "dense")])
+def test_int8_cpu_kernel_is_only_chosen_where_aten_computes_it_right(k, layout):
+    # ATen's bf16 int8 matmul returns garbage when K is not a multiple of 16 (K = 24, 40, 72 seen).
+    canonical, _ = random_layer(k, 32, 8, -1, asym=False, seed=k)
+    weights = IntWeights(unpack_rows(canonical["qweight"], 8, k), canonical["scales"], canonical["zeros"], 8, k)
+    layer = nn.Module()
+    layer.params_dtype, layer.bias = torch.bfloat16, None
+    assert install_int_weights(layer, weights, torch.device("cpu"), "test") == layout
+    x = _x(3, k, torch.bfloat16)
+    expected = x.float() @ weights.dequantize().t()
+    assert relative_l2(apply_int_layout(layout, layer, x, 8, k), expected) < 1e-2

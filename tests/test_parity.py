@@ -43,7 +43,7 @@ def test_cached_decoding_matches_full_forward(llama_dir, compiled):
         last = model._prefill(ids[:, :8])
         assert relative_l2(last[0, -1], full[7]) < 1e-4
         for pos in range(8, 12):
-            step = model._run("decode", ids[:, pos:pos + 1], torch.tensor([pos]))
+            step = model._decode(ids[:, pos:pos + 1], pos)
             assert relative_l2(step[0, -1], full[pos]) < 1e-4
 
 

@@ -80,16 +80,20 @@ class CausalLM(nn.Module):
         return self.lm_head(x).float()  # [B, T, V] fp32
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                cache_positions: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """input_ids: [B, T] int64. With input_pos ([T] positions) K/V go to the static cache
-        and attention covers everything cached so far; without it, plain causal attention
-        within input_ids (no cache). Returns float32 logits [B, T, V] ([B, 1, V] if last_only)."""
+        and attention covers the cache entries `cache_positions` ([S'] = 0..S'-1, default the
+        whole cache): attending only over the filled part saves reading the rest every step.
+        Without input_pos, plain causal attention within input_ids (no cache). Returns float32
+        logits [B, T, V] ([B, 1, V] if last_only)."""
         seq = input_ids.shape[1]
         if input_pos is None:
             positions = keys = torch.arange(seq, device=input_ids.device)  # [T]
         else:
             positions = input_pos
-            keys = torch.arange(self.max_seq_len, device=input_ids.device)  # [S]: the whole cache
+            keys = cache_positions
+            if keys is None:
+                keys = torch.arange(self.max_seq_len, device=input_ids.device)  # [S]: the whole cache
         mask = keys[None, :] <= positions[:, None]  # [T, S] causal
         sliding_mask = mask
         if self.sliding_window is not None:

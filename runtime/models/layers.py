@@ -227,8 +227,9 @@ class Attention(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(self, x, cos, sin, mask, input_pos):
-        """x: [B, T, D]; cos/sin: [T, rot]; mask: [T, S] bool (True = may attend);
-        input_pos: [T] positions to write into the KV cache, or None to attend within x only."""
+        """x: [B, T, D]; cos/sin: [T, rot]; mask: [T, S'] bool (True = may attend) over the first
+        S' cache entries; input_pos: [T] positions to write into the KV cache, or None to attend
+        within x only."""
         bsz, seq, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -240,15 +241,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is not None:
             k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]
+            attended = mask.shape[-1]  # S': the cache entries this call attends over
             if self.fp8_cache:
                 k_cache.index_copy_(2, input_pos, quantize_kv(k, self.k_scale))
                 v_cache.index_copy_(2, input_pos, quantize_kv(v, self.v_scale))
-                k = dequantize_kv(k_cache, self.k_scale, q.dtype)  # [B, KVH, S, hd]
-                v = dequantize_kv(v_cache, self.v_scale, q.dtype)
+                k = dequantize_kv(k_cache[:, :, :attended], self.k_scale, q.dtype)  # [B, KVH, S', hd]
+                v = dequantize_kv(v_cache[:, :, :attended], self.v_scale, q.dtype)
             else:
                 k_cache.index_copy_(2, input_pos, k)
                 v_cache.index_copy_(2, input_pos, v)
-                k, v = k_cache, v_cache  # [B, KVH, S, hd]
+                k, v = k_cache[:, :, :attended], v_cache[:, :, :attended]  # [B, KVH, S', hd]
         # Grouped-query attention without copying K/V per query head: the G query heads that
         # share a KV head are folded into the query-length axis, and the mask repeated to match.
         group = self.num_heads // self.num_kv_heads
