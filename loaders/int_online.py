@@ -3,6 +3,7 @@
 - int4: asymmetric, round to nearest, groups of 128 input channels (or the largest of 128, 64, 32
   dividing K, so that the CPU kernel can run it), fractional zero points: code 0 is the group's
   minimum, as in llama.cpp's Q4_1 and the float zero points of ATen's int4 CPU kernel.
+  `quant="int4-g32"` uses groups of 32, as llama.cpp's Q4_0/Q4_1 do: more scales, less error.
 - int8: symmetric per output channel, codes in [-127, 127].
 
 Each weight is quantized the moment it streams in and stored packed (int32 words along K), so the
@@ -29,11 +30,12 @@ _MIN_SCALE = 1e-8  # an all-equal group gets a tiny scale instead of a division 
 @dataclass(frozen=True)
 class OnlineIntConfig:
     bits: int  # 4: asymmetric groups; 8: symmetric channels
+    max_group: int = 128  # 4-bit: the largest group size tried
 
     def group_size(self, k: int) -> int:
         if self.bits == 8:
             return k
-        return next((g for g in (128, 64, 32) if k % g == 0), 128)
+        return next((g for g in (128, 64, 32) if g <= self.max_group and k % g == 0), self.max_group)
 
     def describe(self, k: int) -> str:
         return "int8 channel (online)" if self.bits == 8 else f"int4 g{self.group_size(k)} asymmetric (online)"
@@ -85,8 +87,8 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, cfg: OnlineI
 
 
 class OnlineIntLinearMethod:
-    def __init__(self, bits: int):
-        self.cfg = OnlineIntConfig(bits)
+    def __init__(self, bits: int, max_group: int = 128):
+        self.cfg = OnlineIntConfig(bits, max_group)
         self.name = f"int{bits}"
         self.layout = None  # chosen by the loader pass
 
