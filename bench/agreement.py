@@ -1,6 +1,7 @@
 """Teacher-forced top-1 agreement of each online quantization with bf16 on the default model.
 
-    python bench/agreement.py                       # fp8, int4, int8
+    python bench/agreement.py                       # every online quantization, compiled
+    python bench/agreement.py --eager               # the same without compiling
     python bench/agreement.py --quant fp8 --weight-only-fp8
 
 For each prompt, bf16 (eager reference ops) greedily continues 64 tokens; bf16 and every variant
@@ -62,9 +63,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quant", default=",".join(ONLINE_METHODS), help=f"comma-separated subset of {list(ONLINE_METHODS)}")
     parser.add_argument("--weight-only-fp8", action="store_true", help="add the fp8-weights, bf16-activations column")
+    parser.add_argument("--eager", action="store_true",
+                        help="run the variants eagerly (same quantized weights, reference or direct kernel ops; "
+                             "no compile time)")
     args = parser.parse_args()
     bf16 = runtime.compile_model(compile=False, progress=False, max_seq_len=MAX_SEQ_LEN)
-    variants = {q: runtime.compile_model(quant=q, progress=False, max_seq_len=MAX_SEQ_LEN)
+    variants = {q: runtime.compile_model(quant=q, compile=not args.eager, progress=False, max_seq_len=MAX_SEQ_LEN)
                 for q in args.quant.split(",")}
     if args.weight_only_fp8:
         variants["weight-only fp8"] = weight_only_fp8()

@@ -19,8 +19,9 @@ import torch
 
 from kernels.int_reference import pack_factor, unpack_rows
 
-from .errors import CheckpointError, TensorMismatch, UnsupportedError
-from .int_weights import IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights, remove_parameters
+from .errors import TensorMismatch, UnsupportedError
+from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
+                          loaded_g_idx, remove_parameters, shard_slot)
 from .parameters import make_parameter
 from .shards import check_shape, copy_rows
 
@@ -42,16 +43,12 @@ class CtIntConfig:
         return f"compressed-tensors W{self.bits}A16 {group}{sym}"
 
 
-def _shard_slot(layer, shard_id) -> int:
-    return 0 if layer.shard_layout is None else layer.shard_layout.shard_ids.index(shard_id)
-
-
 def _check_weight_shape(param, loaded, shard_id, *, layer):
     """`weight_shape` is the unpadded [N, K] of one shard: it must be this layer's."""
     n = layer.output_size if layer.shard_layout is None else layer.shard_layout.offsets[shard_id][1]
     if loaded.numel() != 2 or [int(v) for v in loaded.reshape(-1)] != [n, layer.input_size]:
         raise TensorMismatch(f"holds {loaded.tolist()}, but the model's layer is [{n}, {layer.input_size}]")
-    param.data[_shard_slot(layer, shard_id)] = loaded.reshape(-1)
+    param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 
 def _load_zero_point(param, loaded, shard_id, *, layer, bits):
@@ -66,14 +63,6 @@ def _load_zero_point(param, loaded, shard_id, *, layer, bits):
         rows.copy_(loaded.to(torch.int32) + 2 ** (bits - 1))
     else:
         raise TensorMismatch(f"dtype {loaded.dtype}, expected int32 (packed) or int8 zero points")
-
-
-def _load_g_idx(param, loaded, shard_id, *, layer):
-    if loaded.dtype not in (torch.int32, torch.int64):
-        raise TensorMismatch(f"dtype {loaded.dtype}, expected int32 group indices")
-    check_shape(loaded, param.shape[1:], "weight_g_idx")
-    param.data[_shard_slot(layer, shard_id)] = loaded
-    layer.loaded_g_idx.add(shard_id)
 
 
 class CtIntLinearMethod:
@@ -115,11 +104,7 @@ class CtIntLinearMethod:
                 torch.empty(n, groups, dtype=torch.int32),  # [N, groups] unsigned zero points
                 weight_loader=partial(_load_zero_point, layer=layer, bits=cfg.bits), output_dim=0, **common,
             )
-        layer.loaded_g_idx = set()
-        layer.weight_g_idx = make_parameter(
-            torch.empty(slots, k, dtype=torch.int32),  # [shards, K]
-            weight_loader=partial(_load_g_idx, layer=layer), optional=True, **common,
-        )
+        layer.weight_g_idx = g_idx_parameter(layer, **common)
         if layer.has_bias:
             layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
                                         output_dim=0, **common)
@@ -143,18 +128,11 @@ class CtIntLinearMethod:
         self.layout = install_int_weights(layer, weights, device, cfg.describe())
 
     def _g_idx(self, layer) -> torch.Tensor | None:
-        expected = {None} if layer.shard_layout is None else set(layer.shard_layout.shard_ids)
-        if layer.loaded_g_idx != expected:
-            if self.cfg.actorder:
-                raise CheckpointError(self.cfg.source, f"{self.module_names[0]}.weight_g_idx",
-                                      "missing, but the quantization config says actorder='group'")
-            return None
-        rows = layer.weight_g_idx.data  # [shards, K]
-        if not (rows == rows[0]).all():
-            raise UnsupportedError(f"{self.module_names}: the fused shards have different weight_g_idx; qrt runs "
-                                   f"them as one matmul and needs one input-channel order")
+        g_idx = loaded_g_idx(layer, layer.weight_g_idx, source=self.cfg.source, module_names=self.module_names,
+                             tensor=f"{self.module_names[0]}.weight_g_idx",
+                             required="the quantization config says actorder='group'" if self.cfg.actorder else None)
         # compressed-tensors initialises g_idx to -1, meaning "column order".
-        return None if bool((rows[0] == -1).all()) else rows[0]
+        return None if g_idx is None or bool((g_idx == -1).all()) else g_idx
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size

@@ -17,11 +17,11 @@ import torch
 
 from kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
 
-from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
-from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights,
-                          remove_parameters, scaled_shards)
+from .errors import ConfigError, UnsupportedError
+from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
+                          loaded_g_idx, remove_parameters, scaled_shards)
 from .parameters import make_parameter
-from .shards import check_shape, copy_rows
+from .shards import copy_rows
 
 _CHECKPOINT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -39,17 +39,6 @@ class GptqConfig:
         group = "channel" if self.group_size == -1 else f"g{self.group_size}"
         extra = (", act-order" if self.desc_act else "") + ("" if self.sym else ", asymmetric")
         return f"GPTQ{' v2' if self.v2 else ''} {self.bits}-bit {group}{extra}"
-
-
-def _load_g_idx(param, loaded, shard_id, *, layer):
-    """g_idx of one shard: fused shards quantized from the same input must agree (checked later)."""
-    if loaded.dtype not in (torch.int32, torch.int64):
-        raise TensorMismatch(f"dtype {loaded.dtype}, expected int32 group indices")
-    check_shape(loaded, param.shape[1:], "g_idx")
-    shards = layer.shard_layout
-    slot = 0 if shards is None else shards.shard_ids.index(shard_id)
-    param.data[slot] = loaded
-    layer.loaded_g_idx.add(shard_id)
 
 
 def gptq_zero_points(qzeros: torch.Tensor, bits: int, n: int, v2: bool) -> torch.Tensor:
@@ -97,12 +86,7 @@ class GptqLinearMethod:
             torch.empty(groups, n, dtype=torch.float32),  # [groups, N]; fp16/bf16 on disk, held exactly
             weight_loader=partial(copy_rows, layout=shards), output_dim=1, **common,
         )
-        slots = 1 if shards is None else len(shards.shard_ids)
-        layer.loaded_g_idx = set()
-        layer.g_idx = make_parameter(
-            torch.empty(slots, k, dtype=torch.int32),  # [shards, K]: one row per fused shard
-            weight_loader=partial(_load_g_idx, layer=layer), optional=True, **common,
-        )
+        layer.g_idx = g_idx_parameter(layer, **common)
         if layer.has_bias:
             layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
                                         output_dim=0, **common)
@@ -117,18 +101,11 @@ class GptqLinearMethod:
         self.layout = install_int_weights(layer, weights, device, cfg.describe())
 
     def _g_idx(self, layer) -> torch.Tensor | None:
-        expected = {None} if layer.shard_layout is None else set(layer.shard_layout.shard_ids)
-        if layer.loaded_g_idx != expected:
-            if self.cfg.desc_act and self.cfg.group_size != -1:
-                raise CheckpointError(self.cfg.source, f"{self.module_names[0]}.g_idx",
-                                      "missing, but the quantization config says desc_act=true (act-order), "
-                                      "which needs each layer's group indices")
-            return None
-        rows = layer.g_idx.data  # [shards, K]
-        if not (rows == rows[0]).all():
-            raise UnsupportedError(f"{self.module_names}: the fused shards have different g_idx; qrt runs them as "
-                                   f"one matmul and needs one input-channel order")
-        return rows[0]
+        act_order = self.cfg.desc_act and self.cfg.group_size != -1
+        return loaded_g_idx(layer, layer.g_idx, source=self.cfg.source, tensor=f"{self.module_names[0]}.g_idx",
+                            module_names=self.module_names,
+                            required="the quantization config says desc_act=true (act-order), which needs each "
+                                     "layer's group indices" if act_order else None)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size

@@ -19,6 +19,7 @@ the Triton kernel in its place. Either way the layout is recorded on the weight 
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ import kernels  # noqa: F401  (registers torch.ops.qrt.*)
 from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from kernels.int_reference import pack_rows
 
-from .errors import TensorMismatch, UnsupportedError
+from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .parameters import make_parameter
 from .shards import ShardLayout, check_shape
 
@@ -148,6 +149,44 @@ def copy_ints(param, loaded: torch.Tensor, shard_id, *, layout: ShardLayout | No
     dst = param.data if layout is None else layout.rows(param.data, shard_id, param.output_dim)
     check_shape(loaded, dst.shape)
     dst.copy_(loaded)
+
+
+def shard_slot(layer, shard_id) -> int:
+    """Index of a fused layer's shard among its shards (0 for an unfused layer)."""
+    return 0 if layer.shard_layout is None else layer.shard_layout.shard_ids.index(shard_id)
+
+
+def g_idx_parameter(layer, **attributes):
+    """Act-order group indices, loaded when the checkpoint has them: [shards, K] int32, one row
+    per fused shard, the shards that arrived recorded in `layer.loaded_g_idx`."""
+    slots = 1 if layer.shard_layout is None else len(layer.shard_layout.shard_ids)
+    layer.loaded_g_idx = set()
+    return make_parameter(torch.empty(slots, layer.input_size, dtype=torch.int32),  # [shards, K]
+                          weight_loader=partial(_load_g_idx, layer=layer), optional=True, **attributes)
+
+
+def _load_g_idx(param, loaded, shard_id, *, layer):
+    if loaded.dtype not in (torch.int32, torch.int64):
+        raise TensorMismatch(f"dtype {loaded.dtype}, expected int32 group indices")
+    check_shape(loaded, param.shape[1:], "group indices")
+    param.data[shard_slot(layer, shard_id)] = loaded
+    layer.loaded_g_idx.add(shard_id)
+
+
+def loaded_g_idx(layer, param, *, required: str | None, source, tensor: str, module_names) -> torch.Tensor | None:
+    """The layer's group indices [K], or None when the checkpoint has none. `required`: why they
+    must be there (raises CheckpointError naming `tensor` if absent). Fused shards, quantized from
+    one input, must agree: the layer runs them as one matmul with one input-channel order."""
+    expected = {None} if layer.shard_layout is None else set(layer.shard_layout.shard_ids)
+    if layer.loaded_g_idx != expected:
+        if required:
+            raise CheckpointError(source, tensor, f"missing, but {required}")
+        return None
+    rows = param.data  # [shards, K]
+    if not (rows == rows[0]).all():
+        raise UnsupportedError(f"{module_names}: the fused shards have different group indices ({tensor}); qrt runs "
+                               f"them as one matmul and needs one input-channel order")
+    return rows[0]
 
 
 def remove_parameters(layer, *names: str) -> None:

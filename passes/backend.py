@@ -24,12 +24,20 @@ class CompileLog:
 class QrtBackend:
     """A torch.compile backend; `log.graphs` grows by one each time Dynamo (re)compiles."""
 
-    def __init__(self, label: str, inductor: bool = True, freeze: bool = False):
+    def __init__(self, label: str, inductor: bool = True, freeze: bool = False, autotune: bool = False):
         self.log = CompileLog(label)
         self.inductor = inductor
         # Freezing turns weights into constants, which lets Inductor prepack them for oneDNN on
         # the CPU: decode of the default model went from 1.56 s to 31 ms per token with it.
         self.config_patches = {"freezing": True} if freeze else {}
+        if autotune:
+            # Inductor times its C++ GEMM templates against ATen for each matmul shape and keeps
+            # the fastest; on the CPU's one-token decode graph that measured +30% (bf16) and +35%
+            # (int4, whose bf16 lm_head dominates) for about 35 s more compiling.
+            self.config_patches |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                                    # the choice tables it prints per matmul are for Inductor's developers
+                                    "autotune_num_choices_displayed": 0,
+                                    "max_autotune_report_choices_stats": False}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         report = GraphReport(f"{self.log.label}#{len(self.log.graphs)}")

@@ -38,9 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     def add_model_args(sub):
         sub.add_argument("path", nargs="?", default=None,
                          help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-        sub.add_argument("--quant", default=None, help="online quantization for a bf16 checkpoint: fp8 (default: as stored)")
+        sub.add_argument("--quant", default=None,
+                         help="online quantization for a bf16 checkpoint: fp8, int4, int4-g32, int8, w8a8 "
+                              "(default: as stored)")
         sub.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
         sub.add_argument("--device", default="cpu")
+        sub.add_argument("--no-autotune", action="store_true",
+                         help="compile faster, decode slower: skip timing GEMM implementations for decode (CPU)")
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
@@ -83,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
 def _compile(args, path=None, **kwargs):
     import runtime
 
-    return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype, **kwargs)
+    return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype,
+                                 autotune=False if args.no_autotune else None, **kwargs)
 
 
 def _generate(args) -> int:

@@ -1,6 +1,7 @@
 """`compile_model` and the CompiledModel it returns: forward and generate over compiled graphs."""
 
 import itertools
+import os
 import sys
 import time
 import types
@@ -35,6 +36,7 @@ def compile_model(
     device_config: DeviceConfig | None = None,
     compile: bool = True,
     warmup: bool = True,
+    autotune: bool | None = None,
     progress: bool = True,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
@@ -44,11 +46,16 @@ def compile_model(
     quant: None to run weights as stored, or an online format ("fp8") for a bf16/fp16 checkpoint.
     compile=False runs eagerly with the reference ops (the numerical oracle).
     warmup compiles prefill and decode now (and says how long it took) instead of on first use.
+    autotune (CPU): let Inductor pick the fastest GEMM implementation for each matmul of the decode
+    graph by timing them while compiling: faster decode for a longer first compile (cached after).
+    None: on, unless the environment sets QRT_AUTOTUNE=0.
     """
     if path is None:
         from .default_model import default_model_path
 
         path = default_model_path(progress=progress)
+    if autotune is None:
+        autotune = os.environ.get("QRT_AUTOTUNE", "1") != "0"
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
     checkpoint = open_checkpoint(path, load_config)
@@ -61,7 +68,7 @@ def compile_model(
     model.allocate_caches(max_batch_size, max_seq_len)
     tokenizer = checkpoint.load_tokenizer()
     compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
-                             compile=compile, progress=progress, source=Path(path))
+                             compile=compile, autotune=autotune, progress=progress, source=Path(path))
     if compile and warmup:
         compiled.warmup()
     return compiled
@@ -92,7 +99,8 @@ def _own_copy(fn, name: str):
 class CompiledModel:
     """A loaded model with compiled prefill, decode and full-sequence forward graphs."""
 
-    def __init__(self, model, tokenizer, scheme, eos_ids: set[int], *, compile: bool, progress: bool, source):
+    def __init__(self, model, tokenizer, scheme, eos_ids: set[int], *, compile: bool, progress: bool, source,
+                 autotune: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.scheme = scheme
@@ -103,7 +111,10 @@ class CompiledModel:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.max_seq_len
         freeze = self.device.type == "cpu"
-        self.backends = {role: QrtBackend(role, freeze=freeze) for role in ("prefill", "decode", "forward")}
+        # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
+        # dynamic in length, where autotuning would pick for one length.
+        self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode")
+                         for role in ("prefill", "decode", "forward")}
         # Dynamo decides while tracing whether parameters become constants (Inductor freezing),
         # so the flag must be on around every call that may trace, not only inside the backend.
         self._trace_config = {"freezing": True} if freeze and compile else {}
@@ -151,35 +162,66 @@ class CompiledModel:
                 f"cache of {self.max_seq_len} tokens; shorten the prompt, lower max_new_tokens, or "
                 f"pass a larger max_seq_len to compile_model"
             )
-        new_ids = self._generate_ids(ids, max_new_tokens, params, stop_at_eos, stream)
+        (new_ids,) = self._generate_ids(ids, max_new_tokens, params, stop_at_eos, stream)
         if text_in:
             return self.tokenizer.decode(new_ids, skip_special_tokens=True)
         return new_ids
 
-    def _generate_ids(self, ids, max_new_tokens, params, stop_at_eos, stream) -> list[int]:
+    def generate_batch(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0,
+                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                       stop_at_eos: bool = True) -> list[list[int]]:
+        """Continue several token-id prompts of equal length together: one batched prefill, then
+        batched decode steps. Returns each prompt's new ids (a row stops at its EOS).
+
+        At most `max_batch_size` prompts (compile_model's argument: the KV cache holds that many
+        sequences). The batch size is part of the compiled graphs' shapes: each new one compiles
+        prefill and decode once."""
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        try:
+            ids = torch.as_tensor(prompts, dtype=torch.long)
+        except (ValueError, TypeError):
+            raise ValueError("generate_batch takes a list of token-id lists of equal length") from None
+        ids = self._check_ids(ids, allow_batch=True)
+        if ids.shape[0] > self.model.max_batch_size:
+            raise ValueError(f"{ids.shape[0]} prompts, but the KV cache holds {self.model.max_batch_size} sequences; "
+                             f"pass max_batch_size={ids.shape[0]} to compile_model")
+        if ids.shape[1] + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompts ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceed the KV "
+                             f"cache of {self.max_seq_len} tokens")
+        return self._generate_ids(ids, max_new_tokens, params, stop_at_eos, None)
+
+    def _generate_ids(self, ids, max_new_tokens, params, stop_at_eos, stream) -> list[list[int]]:
+        """ids: [B, T]. New ids per row; `stream` (B = 1) receives each as it is sampled."""
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        seq = ids.shape[1]
-        new_ids: list[int] = []
+        batch, seq = ids.shape
+        rows: list[list[int]] = [[] for _ in range(batch)]
+        finished = [False] * batch
+        sequence = ids  # [B, seq + step]: what a recompute would run
         logits = self._prefill(ids)
         # Longrope models (Phi-3) switch to their long factors past the original context; there
         # transformers recomputes the whole sequence with them, so qrt does too.
         recompute_at = self.model.rotary.long_from
         for step in range(max_new_tokens):
-            token = sample(logits[:, -1], params, generator)  # [1]
-            token_id = int(token)
-            new_ids.append(token_id)
-            if stream is not None:
-                stream(token_id)
-            if (stop_at_eos and token_id in self.eos_ids) or step == max_new_tokens - 1:
+            tokens = sample(logits[:, -1], params, generator)  # [B]
+            for row, token_id in enumerate(tokens.tolist()):
+                if not finished[row]:
+                    rows[row].append(token_id)
+                    finished[row] = stop_at_eos and token_id in self.eos_ids
+                    if stream is not None:
+                        stream(token_id)
+            if all(finished) or step == max_new_tokens - 1:
                 break
+            sequence = torch.cat([sequence, tokens.view(-1, 1)], dim=1)
             if seq + step == recompute_at:
-                logits = self._prefill(torch.cat([ids, torch.tensor([new_ids])], dim=1))
+                logits = self._prefill(sequence)
             else:
-                logits = self._decode(token.view(1, 1), seq + step)
-        return new_ids
+                logits = self._decode(tokens.view(-1, 1), seq + step)
+        return rows
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run a prompt from position 0, filling the KV cache; [1, 1, V] logits of its last token."""
+        """Run prompts [B, T] from position 0, filling the KV cache; [B, 1, V] logits of their last token."""
         seq = ids.shape[1]
         ids = ids.to(self.device)
         if seq == 1:  # a one-token prompt is a decode step

@@ -8,6 +8,9 @@ import torch  # noqa: E402  (importing torch does not import triton)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Autotuning decode's matmuls costs seconds per compiled model; the suite compiles dozens.
+# tests/test_compile.py covers the autotuned path once.
+os.environ.setdefault("QRT_AUTOTUNE", "0")
 
 import pytest
 

@@ -52,3 +52,16 @@ def test_dynamo_explain_finds_no_graph_breaks(llama_dir, compiled, role):
     with torch.no_grad():
         result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
     assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
+
+
+def test_autotuned_decode_gives_the_same_tokens_in_one_graph(llama_dir):
+    import runtime
+
+    eager = runtime.compile_model(llama_dir, compile=False, progress=False, max_seq_len=128)
+    autotuned = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, autotune=True)
+    assert autotuned.backends["decode"].config_patches.get("max_autotune") is True
+    prompt = [5, 6, 7, 8]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        tokens = autotuned.generate(prompt, max_new_tokens=12, stop_at_eos=False)
+    assert tokens == eager.generate(prompt, max_new_tokens=12, stop_at_eos=False)
+    assert autotuned.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}

@@ -87,3 +87,19 @@ def test_broken_tokenizer_files_leave_token_ids_working(llama_dir, tmp_path):
     assert len(model.generate([1, 2, 3], max_new_tokens=2, stop_at_eos=False)) == 2
     with pytest.raises(ValueError, match="no usable tokenizer.*pass token ids instead"):
         model.generate("hello")
+
+
+def test_batched_generation_continues_each_prompt_as_alone(llama_dir, compiled):
+    import runtime
+
+    single = compiled(llama_dir)
+    batched = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, max_batch_size=3)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [7, 7, 7, 7, 7]]
+    rows = batched.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False)
+    assert rows == [single.generate(p, max_new_tokens=12, stop_at_eos=False) for p in prompts]
+    with torch.compiler.set_stance("fail_on_recompile"):  # same batch size, other length: no new graph
+        batched.generate_batch([p[:3] for p in prompts], max_new_tokens=20, stop_at_eos=False)
+    with pytest.raises(ValueError, match="the KV cache holds 3 sequences; pass max_batch_size=4"):
+        batched.generate_batch(prompts + [[1, 2, 3, 4, 5]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="list of token-id lists of equal length"):
+        batched.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=2)

@@ -58,6 +58,7 @@ class CausalLM(nn.Module):
         self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope)
         self.sliding_window = cfg.sliding_window if any(layer.sliding for layer in self.model.layers) else None
         self.max_seq_len = 0
+        self.max_batch_size = 0
 
     def tied_tensor_names(self) -> tuple:
         """Checkpoint tensors that alias another one in this model and may be skipped."""
@@ -72,6 +73,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.allocate_cache(max_batch_size, max_seq_len, self.dtype, device)
         self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [B, T, D]
