@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: setup demo test test-slow bench dump clean
+.PHONY: setup demo test test-slow bench bench-suite dump clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,16 @@ test-slow: setup
 
 bench: setup
 	$(PY) bench/decode.py --json bench/results/decode.json
+
+# Every engine and quantization on the default model; MODEL=1b for the random-weight ~1B Llama.
+MODEL ?= default
+bench-suite: setup $(VENV)/.bench-installed
+	$(PY) bench/suite.py --model $(MODEL) --json bench/results/suite.json --chart bench/results/suite.png
+
+# The suite's chart needs matplotlib, the `bench` extra.
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $@
 
 dump: setup
 	$(PY) -m runtime dump --quant fp8 --out dump

