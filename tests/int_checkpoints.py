@@ -141,26 +141,30 @@ BUILDERS = {"gptq": gptq_tensors, "awq": awq_tensors, "ct": ct_tensors}
 
 
 def make_int_checkpoint(folder: Path, fmt: str, quantization_config: dict, *, arch="llama", seed=0,
-                        positive_first_group=False, side_file: str | None = None, **options):
+                        positive_first_group=False, side_file: str | None = None, quantize_lm_head=False,
+                        **options):
     """Write a tiny `arch` checkpoint whose decoder linears are stored in format `fmt`
     ("gptq" | "awq" | "ct") with `options`; returns the transformers model holding the
     dequantized weights (the reference).
 
     positive_first_group: make the first input group of layer 0's q_proj all-positive, so that
-    asymmetric quantizers give it a zero point of 0 (the case GPTQ v1 cannot store plainly)."""
-    model = make_checkpoint(folder, arch, seed=seed)
+    asymmetric quantizers give it a zero point of 0 (the case GPTQ v1 cannot store plainly).
+    quantize_lm_head: store lm_head in the format too (GPTQ's `lm_head: true`)."""
+    # A quantized lm_head packs the vocabulary 8 to a word: make it a multiple of 8.
+    model = make_checkpoint(folder, arch, seed=seed, **({"vocab_size": 320} if quantize_lm_head else {}))
     state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    prefixes = [f"model.layers.{i}.{linear}" for i in range(model.config.num_hidden_layers) for linear in LINEARS]
     with torch.no_grad():
-        for i in range(model.config.num_hidden_layers):
-            for linear in LINEARS:
-                prefix = f"model.layers.{i}.{linear}"
-                w = state.pop(f"{prefix}.weight")
-                if positive_first_group and i == 0 and linear == "self_attn.q_proj":
-                    w = w.clone()
-                    w[:, :32] = w[:, :32].abs()
-                tensors, dequantized = BUILDERS[fmt](w, seed=seed + i, **options)
-                state.update({f"{prefix}.{name}": t.contiguous() for name, t in tensors.items()})
-                model.get_submodule(prefix).weight.copy_(dequantized)
+        for prefix in prefixes + (["lm_head"] if quantize_lm_head else []):
+            # One act-order permutation per layer: q/k/v (and gate/up) share their input.
+            layer_seed = int(prefix.split(".")[2]) if prefix.startswith("model.layers.") else 1000
+            w = state.pop(f"{prefix}.weight")
+            if positive_first_group and prefix == "model.layers.0.self_attn.q_proj":
+                w = w.clone()
+                w[:, :32] = w[:, :32].abs()
+            tensors, dequantized = BUILDERS[fmt](w, seed=seed + layer_seed, **options)
+            state.update({f"{prefix}.{name}": t.contiguous() for name, t in tensors.items()})
+            model.get_submodule(prefix).weight.copy_(dequantized)
     for old in folder.glob("*.safetensors"):
         old.unlink()
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -1,4 +1,5 @@
-"""The embedded default model (SmolLM2-135M-Instruct) end to end, bf16 against fp8."""
+"""The embedded default model (SmolLM2-135M-Instruct) end to end: fp8 and the integer formats
+against bf16."""
 
 import importlib.util
 
@@ -37,19 +38,43 @@ PROMPTS = (
 MIN_MEAN_AGREEMENT = 0.88
 
 
-def test_fp8_agrees_with_bf16_teacher_forced(fp8_model):
-    """Feed bf16's 64-token greedy continuation to both models; compare the argmax at each
-    position. The bf16 side runs eagerly (the reference ops), the fp8 side compiled."""
+@pytest.fixture(scope="module")
+def bf16_continuations():
+    """The eager bf16 model and, per prompt, (prompt + its 64-token greedy continuation, the
+    positions that predict the continuation, bf16's argmax there)."""
     bf16 = runtime.compile_model(compile=False, progress=False, max_seq_len=256)
-    agreements = []
+    cases = []
     for text in PROMPTS:
         prompt = bf16.encode(text, chat=True)
-        continuation = bf16.generate(prompt, max_new_tokens=64, stop_at_eos=False)
-        ids = torch.tensor([prompt + continuation])
-        span = slice(len(prompt) - 1, ids.shape[1] - 1)  # positions that predict the continuation
-        bf16_top1 = bf16(ids)[0, span].argmax(-1)
-        fp8_top1 = fp8_model(ids)[0, span].argmax(-1)
-        agreements.append((bf16_top1 == fp8_top1).float().mean().item())
+        ids = torch.tensor([prompt + bf16.generate(prompt, max_new_tokens=64, stop_at_eos=False)])
+        span = slice(len(prompt) - 1, ids.shape[1] - 1)
+        cases.append((ids, span, bf16(ids)[0, span].argmax(-1)))
+    return cases
+
+
+def _mean_agreement(model, cases) -> list[float]:
+    return [(model(ids)[0, span].argmax(-1) == top1).float().mean().item() for ids, span, top1 in cases]
+
+
+def test_fp8_agrees_with_bf16_teacher_forced(fp8_model, bf16_continuations):
+    """Feed bf16's 64-token greedy continuation to both models; compare the argmax at each
+    position. The bf16 side runs eagerly (the reference ops), the fp8 side compiled."""
+    agreements = _mean_agreement(fp8_model, bf16_continuations)
     mean = sum(agreements) / len(agreements)
     print(f"fp8 vs bf16 teacher-forced top-1 agreement: {[round(a, 3) for a in agreements]}, mean {mean:.3f}")
     assert mean >= MIN_MEAN_AGREEMENT
+
+
+# Measured with `python bench/agreement.py --eager` (mean over PROMPTS): int8 0.953, int4 (groups of
+# 64 on this model) 0.734. The int4 target was 0.9: this model's weights are llama.cpp Q4_1 values
+# (4-bit in groups of 32 with a float minimum), and requantizing them on a coarser 4-bit grid
+# rounds already-rounded weights; int4-g32 reproduces the Q4_1 grid and agrees almost perfectly,
+# which flatters it (0.984). Bounds sit under the measurements so summation order cannot flip them.
+INT_MIN_AGREEMENT = {"int8": 0.93, "int4": 0.70, "int4-g32": 0.95}
+
+
+@pytest.mark.parametrize("quant", sorted(INT_MIN_AGREEMENT))
+def test_integer_weights_agree_with_bf16_teacher_forced(quant, bf16_continuations):
+    model = runtime.compile_model(quant=quant, compile=False, progress=False, max_seq_len=256)  # ATen int kernels
+    agreements = _mean_agreement(model, bf16_continuations)
+    assert sum(agreements) / len(agreements) >= INT_MIN_AGREEMENT[quant], agreements

@@ -259,3 +259,13 @@ def test_online_quantizer_rounds_to_nearest_within_half_a_step(bits, group_size)
         for group in range(int(g.max()) + 1):
             codes = q[:, g == group]
             assert (codes.amin(dim=1) == 0).all() and (codes.amax(dim=1)[torch.arange(24) != 3] == 15).all()
+
+
+def test_gptq_with_a_quantized_lm_head(tmp_path):
+    folder = tmp_path / "gptq-lm-head"
+    reference = make_int_checkpoint(folder, "gptq", gptq(lm_head=True), quantize_lm_head=True, bits=4, group_size=32,
+                                    sym=True)
+    model = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=64)
+    assert model.model.lm_head.quant_method.name == "gptq"
+    with torch.no_grad():
+        assert relative_l2(model(_ids()), reference(_ids()).logits) < 1e-5
