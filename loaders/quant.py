@@ -25,10 +25,10 @@ from .w8a8_online import W8A8OnlineLinearMethod
 # name -> (method factory taking the layer's checkpoint module names, description).
 ONLINE_METHODS = {
     "fp8": (lambda names: Fp8OnlineLinearMethod(), "e4m3 weights per channel, activations per token"),
-    "int4": (lambda names: OnlineIntLinearMethod(4),
-             "4-bit weights, asymmetric groups of 128 (64 or 32 where 128 does not divide K), bf16 activations"),
-    "int4-g32": (lambda names: OnlineIntLinearMethod(4, max_group=32),
-                 "4-bit weights, asymmetric groups of 32, bf16 activations"),
+    "int4": (lambda names: OnlineIntLinearMethod(4, max_group=32),
+             "4-bit weights, asymmetric groups of 32, bf16 activations"),
+    "int4-g128": (lambda names: OnlineIntLinearMethod(4, max_group=128),
+                  "4-bit weights, asymmetric groups of 128 (64 or 32 where 128 does not divide K), bf16 activations"),
     "int8": (lambda names: OnlineIntLinearMethod(8), "8-bit weights per channel, bf16 activations"),
     "w8a8": (lambda names: W8A8OnlineLinearMethod(), "int8 weights per channel, int8 activations per token"),
 }

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("path", nargs="?", default=None,
                          help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
         sub.add_argument("--quant", default=None,
-                         help="online quantization for a bf16 checkpoint: fp8, int4, int4-g32, int8, w8a8 "
+                         help="online quantization for a bf16 checkpoint: fp8, int4, int4-g128, int8, w8a8 "
                               "(default: as stored)")
         sub.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
         sub.add_argument("--device", default="cpu")

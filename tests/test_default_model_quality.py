@@ -65,12 +65,12 @@ def test_fp8_agrees_with_bf16_teacher_forced(fp8_model, bf16_continuations):
     assert mean >= MIN_MEAN_AGREEMENT
 
 
-# Measured with `python bench/agreement.py --eager` (mean over PROMPTS): int8 0.953, int4 (groups of
-# 64 on this model) 0.734. The int4 target was 0.9: this model's weights are llama.cpp Q4_1 values
-# (4-bit in groups of 32 with a float minimum), and requantizing them on a coarser 4-bit grid
-# rounds already-rounded weights; int4-g32 reproduces the Q4_1 grid and agrees almost perfectly,
-# which flatters it (0.984). Bounds sit under the measurements so summation order cannot flip them.
-INT_MIN_AGREEMENT = {"int8": 0.93, "int4": 0.70, "int4-g32": 0.95}
+# Measured with `python bench/agreement.py --eager` (mean over PROMPTS): int8 0.953, int4 (groups
+# of 32) 0.984, int4-g128 (groups of 64 on this model) 0.734. This model's weights are llama.cpp
+# Q4_1 values (4-bit in groups of 32 with a float minimum): int4 lands on that grid, which flatters
+# it, and int4-g128 re-rounds already-rounded weights onto a coarser one, which costs it more than
+# on an ordinary bf16 model. Bounds sit under the measurements so summation order cannot flip them.
+INT_MIN_AGREEMENT = {"int8": 0.93, "int4": 0.95, "int4-g128": 0.70}
 
 
 @pytest.mark.parametrize("quant", sorted(INT_MIN_AGREEMENT))
