@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .awq import AwqLinearMethod, awq_config
 from .ct_int import CtIntLinearMethod, ct_int_config
+from .ct_marlin24 import CtMarlin24LinearMethod, ct_marlin24_config
 from .ct_w8a8 import CtW8A8LinearMethod, ct_w8a8_config
 from .errors import ConfigError, UnsupportedError
 from .fp8 import Fp8OnlineLinearMethod
@@ -244,6 +245,10 @@ def _compressed_tensors(config: dict, config_path) -> QuantScheme:
     if any(t != "Linear" for t in targets):
         # Anything not targeted stays dense: express "not matched by a target" as a skip rule.
         skip.append("re:^(?!" + "|".join(_target_regex(t) for t in targets) + ").*$")
+    if fmt == "marlin-24":  # 2:4 sparsity lives in the weight layout; sparsity_config says "dense"
+        marlin24 = ct_marlin24_config(weights, inputs, config_path)
+        return QuantScheme("compressed-tensors", lambda names: CtMarlin24LinearMethod(marlin24, names), skip,
+                           marlin24.describe())
     if weights.get("type") == "int":
         if inputs is not None:
             w8a8 = ct_w8a8_config(fmt, weights, inputs, config_path)
