@@ -198,11 +198,12 @@ class CompiledModel:
         batch, seq = ids.shape
         rows: list[list[int]] = [[] for _ in range(batch)]
         finished = [False] * batch
-        sequence = ids  # [B, seq + step]: what a recompute would run
         logits = self._prefill(ids)
         # Longrope models (Phi-3) switch to their long factors past the original context; there
-        # transformers recomputes the whole sequence with them, so qrt does too.
+        # transformers recomputes the whole sequence with them, so qrt does too. Only they keep
+        # the sequence so far: a torch.cat per token is waste on the decode loop's hot path.
         recompute_at = self.model.rotary.long_from
+        sequence = ids if recompute_at is not None else None  # [B, seq + step]: what a recompute would run
         for step in range(max_new_tokens):
             tokens = sample(logits[:, -1], params, generator)  # [B]
             for row, token_id in enumerate(tokens.tolist()):
@@ -213,7 +214,8 @@ class CompiledModel:
                         stream(token_id)
             if all(finished) or step == max_new_tokens - 1:
                 break
-            sequence = torch.cat([sequence, tokens.view(-1, 1)], dim=1)
+            if sequence is not None:
+                sequence = torch.cat([sequence, tokens.view(-1, 1)], dim=1)
             if seq + step == recompute_at:
                 logits = self._prefill(sequence)
             else:
