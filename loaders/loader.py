@@ -74,6 +74,7 @@ def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress:
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     skippable = model.tied_tensor_names()
+    copies = model.tied_copies()
     bar = tqdm(total=total, desc="qrt: loading", unit="tensor", disable=not progress, file=sys.stderr, leave=False)
     with bar:
         for path, name, tensor in tensors:
@@ -88,11 +89,12 @@ def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress:
                                       f"{_expected_here(model, param_name)}")
             if shard_id in loaded[param_name]:
                 raise CheckpointError(path, name, "appears more than once in the checkpoint")
-            try:
-                param.weight_loader(param, tensor, shard_id)
-            except TensorMismatch as err:
-                raise CheckpointError(path, name, f"{err} (loading into '{param_name}')") from None
-            loaded[param_name].add(shard_id)
+            for target in (param_name, *copies.get(param_name, ())):
+                try:
+                    params[target].weight_loader(params[target], tensor, shard_id)
+                except TensorMismatch as err:
+                    raise CheckpointError(path, name, f"{err} (loading into '{target}')") from None
+                loaded[target].add(shard_id)
     _check_complete(model, params, loaded, where)
 
 

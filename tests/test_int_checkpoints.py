@@ -134,7 +134,8 @@ def test_compiled_graphs_have_no_breaks_no_recompiles_and_the_cpu_kernels(name, 
 @pytest.mark.parametrize("quant,layout", [("int4", "int4pack"), ("int8", "int8pack")])
 def test_online_int_quantization_compiles_and_stays_close_to_bf16(quant, layout, llama_dir, hf_model, compiled):
     model = compiled(llama_dir, quant)
-    assert _layouts(model.model) == {layout}
+    assert _layouts(model.model.model) == {layout}
+    assert model.model.lm_head.quant_method.layout == "int8pack"  # lm_head: int8 per channel
     assert quant in model.scheme.describe()
     ids = _ids(1)
     with torch.no_grad():
@@ -149,8 +150,19 @@ def test_online_int_quantization_compiles_and_stays_close_to_bf16(quant, layout,
 def test_dummy_load_quantizes_random_weights_through_the_online_loader(llama_dir):
     model = runtime.compile_model(llama_dir, quant="int4", load_config=LoadConfig(load_format="dummy", progress=False),
                                   compile=False, progress=False, max_seq_len=64)
-    assert _layouts(model.model) == {"int4pack"}
+    assert _layouts(model.model) == {"int4pack", "int8pack"}  # layers, lm_head
     assert torch.isfinite(model(_ids())).all()
+
+
+def test_online_int_quantizes_a_tied_lm_head_from_the_embeddings_and_keeps_them(tied_llama_dir, hf_model):
+    model = runtime.compile_model(tied_llama_dir, quant="int8", compile=False, progress=False, max_seq_len=64)
+    reference = hf_model(tied_llama_dir)
+    # The embedding lookup keeps the stored bf16 rows; lm_head gets its own int8 copy of them.
+    assert torch.equal(model.model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert model.model.lm_head.quant_method.layout == "int8pack"
+    assert "lm_head int8 per channel" in model.scheme.describe()
+    with torch.no_grad():
+        assert relative_l2(model(_ids()), reference(_ids()).logits) < 0.02
 
 
 def test_side_files_are_detected(tmp_path, checkpoints):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from loaders.kv_cache import KV_SCALE_RENAMES
+from loaders.unquantized import UnquantizedLinearMethod
 
 from .config import ModelConfig
 from .layers import DecoderLayer, Embedding, Linear, RotaryEmbedding
@@ -52,7 +53,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, scheme, dtype, self.layer_cls)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, dtype=dtype,
                               method=scheme.method_for("lm_head"))
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and isinstance(self.lm_head.quant_method, UnquantizedLinearMethod):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope)
         self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope)
@@ -63,6 +64,13 @@ class CausalLM(nn.Module):
     def tied_tensor_names(self) -> tuple:
         """Checkpoint tensors that alias another one in this model and may be skipped."""
         return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+
+    def tied_copies(self) -> dict:
+        """Parameter -> other parameters loaded from the same checkpoint tensor. A tied lm_head that
+        is quantized online has its own weight, quantized from the embeddings as they stream in."""
+        untied = self.config.tie_word_embeddings and not isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
+        loads_weight = getattr(getattr(self.lm_head, "weight", None), "weight_loader", None) is not None
+        return {"model.embed_tokens.weight": ("lm_head.weight",)} if untied and loads_weight else {}
 
     def allocate_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Rotary tables and the static KV cache; called once the weights are materialized."""
