@@ -3,22 +3,19 @@ independent packer exactly, fused shards included; tiny checkpoints are detected
 dense W4A16 layouts and match the dequantized transformers model; one compiled model has no
 breaks or recompiles; malformed files and configs get clear errors."""
 
-import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
 
 import runtime
 from loaders.ct_marlin24 import (CtMarlin24Config, CtMarlin24LinearMethod, group_scale_permutation, meta_positions,
                                  unpack_marlin24, unpermute_scales, weight_permutation)
 from loaders.errors import CheckpointError, UnsupportedError
 from marlin24_checkpoints import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
-from tiny_checkpoints import relative_l2
+from tiny_checkpoints import edited_copy, relative_l2
 
 LINEARS = 2 * 4  # 2 layers x (qkv, o, gate_up, down)
 DESCRIBED = {128: "compressed-tensors W4A16 2:4 sparse (marlin-24) g128",
@@ -111,21 +108,6 @@ def test_compiled_decode_has_no_breaks_no_recompiles_and_the_int4_kernel(checkpo
     assert tokens == expected[0, len(prompt):].tolist()
 
 
-def _copy(folder, tmp_path, name, *, config=None, tensors=None):
-    """A copy of `folder` with quantization_config edited by `config(qc)` and tensors by `tensors(state)`."""
-    copy = tmp_path / name
-    shutil.copytree(folder, copy)
-    if config is not None:
-        hf_config = json.loads((copy / "config.json").read_text())
-        config(hf_config["quantization_config"])
-        (copy / "config.json").write_text(json.dumps(hf_config))
-    if tensors is not None:
-        state = load_file(str(copy / "model.safetensors"))
-        tensors(state)
-        save_file(state, str(copy / "model.safetensors"))
-    return copy
-
-
 def _weights(**changes):
     return lambda qc: qc["config_groups"]["group_0"]["weights"].update(changes)
 
@@ -137,34 +119,36 @@ def test_malformed_files_and_configs_get_clear_errors(tmp_path, checkpoints):
         return runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64)
 
     k_meta = "model.layers.0.self_attn.k_proj.meta"
-    narrow = _copy(folder, tmp_path, "meta-shape", tensors=lambda s: s.update({k_meta: s[k_meta][:, :64].clone()}))
+    narrow = edited_copy(folder, tmp_path / "meta-shape",
+                         tensors=lambda s: s.update({k_meta: s[k_meta][:, :64].clone()}))
     with pytest.raises(CheckpointError, match=r"k_proj\.meta'.*shape \[4, 64\], expected \[4, 128\]"):
         load(narrow)
-    int32_meta = _copy(folder, tmp_path, "meta-dtype", tensors=lambda s: s.update({k_meta: s[k_meta].int()}))
+    int32_meta = edited_copy(folder, tmp_path / "meta-dtype", tensors=lambda s: s.update({k_meta: s[k_meta].int()}))
     with pytest.raises(CheckpointError, match=r"k_proj\.meta'.*dtype torch\.int32, expected torch\.int16"):
         load(int32_meta)
     # All-zero metadata names position 0 twice in every run: no producer writes that.
-    zero_meta = _copy(folder, tmp_path, "meta-zero", tensors=lambda s: s.update({k_meta: torch.zeros_like(s[k_meta])}))
+    zero_meta = edited_copy(folder, tmp_path / "meta-zero",
+                            tensors=lambda s: s.update({k_meta: torch.zeros_like(s[k_meta])}))
     with pytest.raises(CheckpointError, match=r"k_proj\.meta'.*output channel 0 has a run of 4 whose metadata"):
         load(zero_meta)
     with pytest.raises(UnsupportedError, match=r"marlin-24 stores 4-bit int weights; the config says 'int' num_bits=8"):
-        load(_copy(folder, tmp_path, "bits", config=_weights(num_bits=8)))
+        load(edited_copy(folder, tmp_path / "bits", config=_weights(num_bits=8)))
     with pytest.raises(UnsupportedError, match=r"marlin-24 stores symmetric weights only"):
-        load(_copy(folder, tmp_path, "asym", config=_weights(symmetric=False)))
+        load(edited_copy(folder, tmp_path / "asym", config=_weights(symmetric=False)))
     with pytest.raises(UnsupportedError, match=r"group_size 128 or channel.*group_size=64"):
-        load(_copy(folder, tmp_path, "g64", config=_weights(group_size=64)))
+        load(edited_copy(folder, tmp_path / "g64", config=_weights(group_size=64)))
     with pytest.raises(UnsupportedError, match=r"sparsity format 'sparse-24-bitmask' is not supported"):
-        load(_copy(folder, tmp_path, "bitmask",
+        load(edited_copy(folder, tmp_path / "bitmask",
                    config=lambda qc: qc["sparsity_config"].update({"format": "sparse-24-bitmask"})))
     up_shape = "model.layers.0.mlp.up_proj.weight_shape"
     with pytest.raises(CheckpointError, match=r"up_proj\.weight_shape'.*holds \[384, 127\].*\[384, 128\]"):
-        load(_copy(folder, tmp_path, "shape", tensors=lambda s: s.update({up_shape: torch.tensor([384, 127])})))
+        load(edited_copy(folder, tmp_path / "shape", tensors=lambda s: s.update({up_shape: torch.tensor([384, 127])})))
 
 
 def test_a_correct_weight_shape_is_accepted(tmp_path, checkpoints):
     """The producer writes no weight_shape, but vLLM declares one: a file that has it still loads."""
     folder, reference = checkpoints(128)
-    copy = _copy(folder, tmp_path, "with-shape", tensors=lambda s: s.update(
+    copy = edited_copy(folder, tmp_path / "with-shape", tensors=lambda s: s.update(
         {"model.layers.1.mlp.down_proj.weight_shape": torch.tensor([128, 384])}))
     model = runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64)
     with torch.no_grad():

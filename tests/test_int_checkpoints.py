@@ -7,14 +7,13 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import runtime
 from int_checkpoints import ct_config, make_int_checkpoint
 from loaders.config import LoadConfig
 from loaders.errors import CheckpointError, UnsupportedError
 from loaders.int_online import quantize_int_rows
-from tiny_checkpoints import relative_l2
+from tiny_checkpoints import edited_copy, relative_l2
 
 
 def gptq(bits=4, group_size=32, desc_act=False, sym=True, fmt="gptq", **extra):
@@ -184,18 +183,9 @@ def test_side_files_are_detected(tmp_path, checkpoints):
 
 
 def _rewrite(folder, tmp_path, *, config=None, tensors=None):
-    """A copy of `folder` with its quantization_config updated and tensors edited by `tensors(state)`."""
-    copy = tmp_path / "edited"
-    shutil.copytree(folder, copy)
-    if config is not None:
-        hf_config = json.loads((copy / "config.json").read_text())
-        hf_config["quantization_config"].update(config)
-        (copy / "config.json").write_text(json.dumps(hf_config))
-    if tensors is not None:
-        state = load_file(str(copy / "model.safetensors"))
-        tensors(state)
-        save_file(state, str(copy / "model.safetensors"))
-    return copy
+    """A copy of `folder` with its quantization_config updated by the dict `config`."""
+    return edited_copy(folder, tmp_path / "edited", config=None if config is None else lambda qc: qc.update(config),
+                       tensors=tensors)
 
 
 def test_gptq_dynamic_skip_rules_keep_matching_modules_dense(tmp_path, checkpoints):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
 import runtime
@@ -17,7 +17,7 @@ from kernels.w4a8_reference import w4a8_int8_weights
 from loaders.ct_w8a8 import merge_static_inputs
 from loaders.errors import CheckpointError, ConfigError, UnsupportedError
 from loaders.qqq import QqqLinearMethod, qqq_config
-from tiny_checkpoints import relative_l2
+from tiny_checkpoints import edited_copy, relative_l2
 from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
 
 # name -> (builder, words describe() shows)
@@ -135,20 +135,6 @@ def test_merging_static_inputs_of_fused_shards():
     assert high >= (scales * (127 - zeros.float())).max() - scale / 2
 
 
-def _rewrite(folder, tmp_path, *, config=None, tensors=None):
-    copy = tmp_path / "edited"
-    shutil.copytree(folder, copy)
-    if config is not None:
-        hf_config = json.loads((copy / "config.json").read_text())
-        config(hf_config["quantization_config"])
-        (copy / "config.json").write_text(json.dumps(hf_config))
-    if tensors is not None:
-        state = load_file(str(copy / "model.safetensors"))
-        tensors(state)
-        save_file(state, str(copy / "model.safetensors"))
-    return copy
-
-
 def _group(config):
     return config["config_groups"]["group_0"]
 
@@ -156,53 +142,54 @@ def _group(config):
 def test_malformed_w8a8_checkpoints_get_clear_errors(tmp_path, checkpoints):
     folder, _ = checkpoints("ct-channel-static-asym")
     with pytest.raises(UnsupportedError, match="asymmetric weights .* not supported"):
-        _eager(_rewrite(folder, tmp_path / "a", config=lambda c: _group(c)["weights"].update(symmetric=False)))
+        _eager(edited_copy(folder, tmp_path / "a", config=lambda c: _group(c)["weights"].update(symmetric=False)))
     with pytest.raises(UnsupportedError, match="qrt runs int8 weights with int8 activations"):
-        _eager(_rewrite(folder, tmp_path / "b", config=lambda c: _group(c)["weights"].update(num_bits=4)))
+        _eager(edited_copy(folder, tmp_path / "b", config=lambda c: _group(c)["weights"].update(num_bits=4)))
     with pytest.raises(UnsupportedError, match="weight strategy 'group' is not supported"):
-        _eager(_rewrite(folder, tmp_path / "c", config=lambda c: _group(c)["weights"].update(strategy="group")))
+        _eager(edited_copy(folder, tmp_path / "c", config=lambda c: _group(c)["weights"].update(strategy="group")))
     with pytest.raises(UnsupportedError, match="dynamic=True, strategy='tensor' are not supported"):
-        _eager(_rewrite(folder, tmp_path / "d", config=lambda c: _group(c)["input_activations"].update(dynamic=True)))
+        _eager(edited_copy(folder, tmp_path / "d",
+                           config=lambda c: _group(c)["input_activations"].update(dynamic=True)))
     name = "model.layers.1.mlp.down_proj"
     with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) for {name}\.input_zero_point"):
-        _eager(_rewrite(folder, tmp_path / "e", tensors=lambda s: s.pop(f"{name}.input_zero_point")))
+        _eager(edited_copy(folder, tmp_path / "e", tensors=lambda s: s.pop(f"{name}.input_zero_point")))
     with pytest.raises(CheckpointError, match=rf"{name}\.weight'.*dtype torch\.bfloat16, expected torch\.int8"):
-        _eager(_rewrite(folder, tmp_path / "f", tensors=lambda s: s.update(
+        _eager(edited_copy(folder, tmp_path / "f", tensors=lambda s: s.update(
             {f"{name}.weight": s[f"{name}.weight"].bfloat16()})))
     with pytest.raises(CheckpointError, match=rf"{name}\.weight_scale'.*per-channel weight_scale has shape \[64\], "
                                               rf"expected \[64, 1\]"):
-        _eager(_rewrite(folder, tmp_path / "g", tensors=lambda s: s.update(
+        _eager(edited_copy(folder, tmp_path / "g", tensors=lambda s: s.update(
             {f"{name}.weight_scale": s[f"{name}.weight_scale"].reshape(-1)})))
     with pytest.raises(CheckpointError, match=rf"{name}\.input_scale'.*positive finite"):
-        _eager(_rewrite(folder, tmp_path / "h", tensors=lambda s: s.update(
+        _eager(edited_copy(folder, tmp_path / "h", tensors=lambda s: s.update(
             {f"{name}.input_scale": torch.tensor([0.0], dtype=torch.bfloat16)})))
     with pytest.raises(CheckpointError, match=rf"{name}\.input_zero_point'.*zero point 300 is outside the int8 range"):
-        _eager(_rewrite(folder, tmp_path / "i", tensors=lambda s: s.update(
+        _eager(edited_copy(folder, tmp_path / "i", tensors=lambda s: s.update(
             {f"{name}.input_zero_point": torch.tensor([300], dtype=torch.int32)})))
     tensor_folder, _ = checkpoints("ct-tensor-static")
     with pytest.raises(CheckpointError, match=r"k_proj\.weight_scale'.*expected one per-tensor scale"):
-        _eager(_rewrite(tensor_folder, tmp_path / "j", tensors=lambda s: s.update(
+        _eager(edited_copy(tensor_folder, tmp_path / "j", tensors=lambda s: s.update(
             {"model.layers.0.self_attn.k_proj.weight_scale": torch.ones(32, 1, dtype=torch.bfloat16)})))
 
 
 def test_malformed_qqq_checkpoints_get_clear_errors(tmp_path, checkpoints, llama_dir):
     folder, _ = checkpoints("qqq-g128")
     with pytest.raises(UnsupportedError, match="QQQ wbits=8 is not supported"):
-        _eager(_rewrite(folder, tmp_path / "a", config=lambda c: c.update(wbits=8)))
+        _eager(edited_copy(folder, tmp_path / "a", config=lambda c: c.update(wbits=8)))
     with pytest.raises(ConfigError, match="QQQ group_size=64"):
-        _eager(_rewrite(folder, tmp_path / "b", config=lambda c: c.update(group_size=64)))
+        _eager(edited_copy(folder, tmp_path / "b", config=lambda c: c.update(group_size=64)))
     # A grouped file read as per channel: its s_group is not the empty tensor per-channel files hold.
     with pytest.raises(CheckpointError, match=r"s_group'.*per-channel .* QQQ file stores s_group as an empty tensor"):
-        _eager(_rewrite(folder, tmp_path / "c", config=lambda c: c.update(group_size=-1)))
+        _eager(edited_copy(folder, tmp_path / "c", config=lambda c: c.update(group_size=-1)))
     name = "model.layers.0.mlp.up_proj"
     with pytest.raises(CheckpointError, match=rf"{name}\.B'.*shape \[16, 512\], expected \[8, 512\]"):
-        _eager(_rewrite(folder, tmp_path / "d", tensors=lambda s: s.update(
+        _eager(edited_copy(folder, tmp_path / "d", tensors=lambda s: s.update(
             {f"{name}.B": torch.cat([s[f"{name}.B"], s[f"{name}.B"]])})))
     # A group scale so large that a code times it leaves the int8 range QQQ's kernel computes in.
     def blow_up(state):
         state[f"{name}.s_group"] = state[f"{name}.s_group"] * 100
     with pytest.raises(CheckpointError, match=r"s_group'.*outside the int8 range"):
-        _eager(_rewrite(folder, tmp_path / "e", tensors=blow_up))
+        _eager(edited_copy(folder, tmp_path / "e", tensors=blow_up))
     # QQQ needs output widths in multiples of 64: the default tiny model's k_proj is 32 wide.
     tiny = tmp_path / "tiny"
     shutil.copytree(llama_dir, tiny)

@@ -1,9 +1,12 @@
 """Tiny random Hugging Face checkpoints, made with transformers' own classes and saved as
 safetensors, so qrt is checked against the real file layout and the real reference model."""
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 TINY = dict(
     hidden_size=64,
@@ -41,3 +44,18 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, dtype=torch.float32, s
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def edited_copy(folder: Path, copy: Path, *, config=None, tensors=None) -> Path:
+    """A copy of checkpoint `folder` at `copy`: `config(quantization_config)` edits its config.json's
+    quantization_config in place and `tensors(state)` its model.safetensors (a name -> tensor dict)."""
+    shutil.copytree(folder, copy)
+    if config is not None:
+        hf_config = json.loads((copy / "config.json").read_text())
+        config(hf_config["quantization_config"])
+        (copy / "config.json").write_text(json.dumps(hf_config))
+    if tensors is not None:
+        state = load_file(str(copy / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(copy / "model.safetensors"))
+    return copy
