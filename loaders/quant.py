@@ -102,12 +102,10 @@ def resolve_scheme(hf_config: dict, quant: str | None, config_path, folder=None)
             f"quant={quant!r} is not supported; choose None (as stored) or one of {sorted(ONLINE_METHODS)}"
         )
     make_method, what = ONLINE_METHODS[quant]
-    if quant in INT8_LM_HEAD:
-        return QuantScheme(quant, make_method, make_lm_head_method=lambda: OnlineIntLinearMethod(8),
-                           description=f"{quant} (online: {what}; quantized while loading; lm_head int8 per "
-                                       f"channel, embeddings kept)")
-    return QuantScheme(quant, make_method,
-                       description=f"{quant} (online: {what}; quantized while loading; lm_head and embeddings kept)")
+    int8_lm_head = quant in INT8_LM_HEAD
+    kept = "lm_head int8 per channel, embeddings kept" if int8_lm_head else "lm_head and embeddings kept"
+    return QuantScheme(quant, make_method, description=f"{quant} (online: {what}; quantized while loading; {kept})",
+                       make_lm_head_method=(lambda: OnlineIntLinearMethod(8)) if int8_lm_head else None)
 
 
 def detect_stored_scheme(hf_config: dict, config_path, folder=None) -> QuantScheme | None:

@@ -68,9 +68,9 @@ class CausalLM(nn.Module):
     def tied_copies(self) -> dict:
         """Parameter -> other parameters loaded from the same checkpoint tensor. A tied lm_head that
         is quantized online has its own weight, quantized from the embeddings as they stream in."""
-        untied = self.config.tie_word_embeddings and not isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
-        loads_weight = getattr(getattr(self.lm_head, "weight", None), "weight_loader", None) is not None
-        return {"model.embed_tokens.weight": ("lm_head.weight",)} if untied and loads_weight else {}
+        weight = getattr(self.lm_head, "weight", None)  # stored formats (GPTQ) name theirs otherwise
+        untied = weight is not None and weight is not self.model.embed_tokens.weight
+        return {"model.embed_tokens.weight": ("lm_head.weight",)} if self.config.tie_word_embeddings and untied else {}
 
     def allocate_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Rotary tables and the static KV cache; called once the weights are materialized."""
