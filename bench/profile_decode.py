@@ -119,7 +119,7 @@ def main() -> None:
         by_kind[kind_of(name)] += seconds
     by_kind["outside any kernel"] = max(profiled - sum(events.values()), 0.0)
 
-    bandwidth = cached_bandwidth()["gb_s"]
+    bandwidth = cached_bandwidth(remeasure=True)["gb_s"]  # today's: this machine's speed varies by day
     weight_bytes = weight_bytes_per_token(model.model, model.model.model.embed_tokens.weight)
     roofline = roofline_tok_s(bandwidth, weight_bytes, 1)
     print(f"\ndecode step: {plain * 1e3:.2f} ms without the profiler (median of {args.steps}), "

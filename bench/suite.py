@@ -27,7 +27,8 @@ KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 Figures: prefill tok/s at batch 1; decode tok/s = batch × N / decode seconds (all rows together).
 Speeds are the median of --runs runs after an untimed one, [min–max]; load, compile and start
 times are one per process. ×HF: decode over transformers eager's at the same batch size. roofline:
-decode over batch × read bandwidth ÷ weight bytes per decode step (bench/roofline.py): the speed of
+decode over batch × read bandwidth ÷ weight bytes per decode step (bench/roofline.py; the
+bandwidth is measured again at the start of every run but --smoke): the speed of
 a step that did nothing but read the weights once (KV-cache reads not counted). peak RSS: each
 process's peak resident memory (VmHWM), its imports included. Every compiling engine gets fresh Inductor cache folders
 (TORCHINDUCTOR_CACHE_DIR is set for each), deleted at the end.
@@ -269,7 +270,9 @@ def main(argv=None) -> int:
     vocab_size = read_hf_config(path)["vocab_size"]
     batches = [1, args.batch]
     prompts = [prompt_ids(vocab_size, args.prompt_tokens, row) for row in range(args.batch)]
-    bandwidth = cached_bandwidth()
+    # Measured again in every full run: this machine's speed varies from day to day, and a roofline
+    # from another day would misstate every fraction of it.
+    bandwidth = cached_bandwidth(remeasure=not args.smoke)
     print(f"{model_name} ({path}): {args.prompt_tokens}-token prompts, {args.new_tokens} decode steps, batch "
           f"{' and '.join(map(str, batches))}, {args.runs} runs, {threads} threads{' (smoke)' if args.smoke else ''}")
     print(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({bandwidth['threads']} threads; {cache_file()})")

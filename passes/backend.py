@@ -1,6 +1,7 @@
 """qrt's torch.compile backend: Dynamo graph -> qrt passes -> Inductor."""
 
 import hashlib
+import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -49,7 +50,11 @@ class QrtBackend:
         # Patched globally for the duration of the compile, not passed as compile_fx's
         # config_patches: the oneDNN weight-prepacking passes read the global config, and with
         # config_patches alone decode ran 25% slower (no prepacked linears).
-        with inductor_config.patch(self.config_patches), torch.compiler.config.patch(cache_key_tag=source_tag()):
+        with inductor_config.patch(self.config_patches), torch.compiler.config.patch(cache_key_tag=source_tag()), \
+                warnings.catch_warnings():
+            # Inductor's autotuner calls the deprecated Tensor.storage() once per GEMM it times;
+            # the warning is about torch's own code, and a user can do nothing about it.
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
             return compile_fx(gm, example_inputs)
 
 

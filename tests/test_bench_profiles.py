@@ -1,0 +1,84 @@
+"""bench/profile_decode.py and bench/profile_compile.py: their bookkeeping on made-up timers and
+event names, and one end-to-end run each on a tiny random Llama, so they cannot rot."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.profile_compile import PHASES, phases
+from bench.profile_decode import kind_of
+from tiny_checkpoints import make_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compile_phases_subtract_the_timers_nested_inside_them():
+    timers = {
+        "_compile.compile_inner": 100.0, "OutputGraph.call_user_compiler": 90.0,
+        "create_aot_dispatcher_function": 88.0, "compile_fx_inner": 60.0, "GraphLowering.run": 25.0,
+        "mm_template_autotuning": 4.0, "addmm_template_autotuning": 6.0,
+        "GraphLowering.compile_to_module": 30.0, "GraphLowering.codegen": 22.0,
+    }
+    got = phases(timers, freeze_s=7.0, load_s=2.0, warmup_s=103.0)
+    assert list(got) == list(PHASES)
+    assert got == {"load": 2.0, "Dynamo": 10.0, "qrt passes + backend": 2.0, "AOTAutograd": 21.0, "freeze": 7.0,
+                   "Inductor lowering": 15.0, "autotune": 10.0, "Inductor codegen": 22.0,
+                   "C++ compile + load": 8.0, "other": 8.0}
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("graph_1_gemm_m1n3072k576_kernel", "matmul"),
+    ("mkldnn::_linear_pointwise", "matmul"),
+    ("qrt::int4pack_linear", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("graph_1_cpp_fused__to_copy_add_embedding_mean_mul_pow_rsqrt_2", "fused elementwise"),
+    ("## Call CompiledFxGraph None ##", "wrapper (Python)"),
+    ("TorchDynamo Cache Lookup", "wrapper (Python)"),
+    ("aten::argmax", "other ATen"),
+])
+def test_profile_events_are_sorted_into_kinds(name, kind):
+    assert kind_of(name) == kind
+
+
+@pytest.fixture(scope="module")
+def one_layer_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("profile") / "tiny-llama"
+    make_checkpoint(folder, "llama", dtype=torch.bfloat16, num_hidden_layers=1)  # 1 layer: compiles faster
+    return folder
+
+
+def run_bench(script: str, *args, tmp_path) -> str:
+    # Autotuning off: it would time GEMMs for seconds; the bandwidth cache stays in tmp_path.
+    env = {**os.environ, "QRT_AUTOTUNE": "0", "QRT_CACHE_DIR": str(tmp_path / "qrt-cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_profile_decode_accounts_for_the_whole_step(one_layer_llama, tmp_path):
+    out = run_bench("bench/profile_decode.py", str(one_layer_llama), "--steps", "8", tmp_path=tmp_path)
+    assert re.search(r"decode step: [\d.]+ ms without the profiler", out)
+    assert re.search(r"this step reaches \d+% of it", out)
+    shares = dict(re.findall(r"^(matmul|attention|fused elementwise|wrapper \(Python\)|other ATen|outside any kernel)"
+                             r"\s+[\d.]+\s+(\d+)%$", out, re.M))
+    assert {"matmul", "attention", "wrapper (Python)", "outside any kernel"} <= set(shares), out
+    # The kinds split the profiled step: their shares add up to it, give or take rounding (and
+    # nothing is left over when the events' self times exceed the step's wall time).
+    assert 95 <= sum(int(share) for share in shares.values()) <= 110, out
+
+
+def test_profile_compile_shows_the_warm_start_served_from_the_cache(one_layer_llama, tmp_path):
+    out = run_bench("bench/profile_compile.py", str(one_layer_llama), tmp_path=tmp_path)
+    rows = {m[0].strip(): (float(m[1]), float(m[2]))
+            for m in re.findall(r"^([A-Za-z+ ]+?)\s+(-?[\d.]+)\s+(-?[\d.]+)$", out, re.M)}
+    assert set(PHASES) | {"total"} <= set(rows), out
+    cold, warm = rows["C++ compile + load"]
+    assert warm < cold, out  # the generated kernels were compiled once, then loaded from the cache
+    assert all(rows[phase][0] >= 0 for phase in PHASES if phase != "other"), out
