@@ -49,9 +49,9 @@ from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_sta
                            positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_runs,
                            wall_time)
 from loaders.config import read_hf_config  # noqa: E402
+from bench.quants import QUANTS  # noqa: E402
 from loaders.quant import ONLINE_METHODS  # noqa: E402
 
-QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}  # --quant name -> compile_model's quant
 HF = "transformers eager bf16"
 
 

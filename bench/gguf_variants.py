@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from runtime.default_model import DEFAULT_MODEL_NAME, _cache_root, _gguf_path  # noqa: E402
 
-SHIPPED = "Q4_1"
 DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from bench.measure import machine_state, print_machine_state  # noqa: E402
+from bench.quants import QUANTS  # noqa: E402
 
-QUANT_NAMES = ("bf16", "fp8", "int4", "int4-g128", "int8", "w8a8")
 PHASES = ("load", "Dynamo", "qrt passes + backend", "AOTAutograd", "freeze", "Inductor lowering", "autotune",
           "Inductor codegen", "C++ compile + load", "other")
 
@@ -41,7 +41,7 @@ PHASES = ("load", "Dynamo", "qrt passes + backend", "AOTAutograd", "freeze", "In
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
-    parser.add_argument("--quant", choices=QUANT_NAMES, default="bf16")
+    parser.add_argument("--quant", choices=list(QUANTS), default="bf16")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one start, JSON to stdout
     return parser.parse_args()
 
@@ -91,9 +91,8 @@ def child(args) -> None:
 
     from runtime import compile_model
 
-    quant = None if args.quant == "bf16" else args.quant
     started = time.perf_counter()
-    model = compile_model(args.path, quant, warmup=False, progress=False)
+    model = compile_model(args.path, QUANTS[args.quant], warmup=False, progress=False)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
     model.warmup()

@@ -38,9 +38,8 @@ from torch._inductor import config as inductor_config  # noqa: E402
 
 from bench.measure import log, machine_state, positive_int, print_machine_state, prompt_ids  # noqa: E402
 from bench.roofline import cached_bandwidth, roofline_tok_s, weight_bytes_per_token  # noqa: E402
-from loaders.quant import ONLINE_METHODS  # noqa: E402
+from bench.quants import QUANTS  # noqa: E402
 
-QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}
 MATMUL_MARKERS = ("linear", "mm", "gemm", "int4pack", "int8pack", "qrt::")
 ATTENTION_MARKERS = ("scaled_dot_product", "attention", "sdpa")
 WRAPPER_MARKERS = ("## call compiledfxgraph", "torch-compiled region", "torchdynamo cache lookup",
@@ -84,10 +83,10 @@ def decode_steps(model, ids: list[int], steps: int, around=contextlib.nullcontex
     return seconds
 
 
-def self_times(profile) -> dict[str, float]:
+def self_times(averages) -> dict[str, float]:
     """Event name -> total self CPU time in seconds (events that call others count only their own)."""
     totals: dict[str, float] = defaultdict(float)
-    for event in profile.key_averages():
+    for event in averages:
         if event.self_cpu_time_total > 0:
             totals[event.key] += event.self_cpu_time_total / 1e6
     return totals
@@ -113,7 +112,8 @@ def main() -> None:
     if model.compile_report()["decode"] != 1:
         raise SystemExit(f"decode compiled into {model.compile_report()['decode']} graphs; expected 1")
 
-    events = {name: total / args.steps for name, total in self_times(profile).items()}
+    averages = profile.key_averages()  # one entry per event name
+    events = {name: total / args.steps for name, total in self_times(averages).items()}
     by_kind: dict[str, float] = defaultdict(float)
     for name, seconds in events.items():
         by_kind[kind_of(name)] += seconds
@@ -134,7 +134,7 @@ def main() -> None:
     print(f"\nmatmuls alone would run at {weight_bytes / max(matmul, 1e-9) / 1e9:.1f} GB/s of weights "
           f"(bandwidth {bandwidth:.1f})")
     print(f"\ntop {args.top} events, ms per step (calls per step):")
-    counts = {event.key: event.count / args.steps for event in profile.key_averages()}
+    counts = {event.key: event.count / args.steps for event in averages}
     for name, seconds in sorted(events.items(), key=lambda item: -item[1])[:args.top]:
         print(f"{seconds * 1e3:>8.3f}  ({counts[name]:>5.1f})  {kind_of(name):<18} {name[:90]}")
 

@@ -54,11 +54,11 @@ from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list,
                            print_machine_state, print_table, prompt_ids)
 from bench.roofline import cache_file, cached_bandwidth, gguf_weight_bytes_per_token, roofline_tok_s  # noqa: E402
 from loaders.config import read_hf_config  # noqa: E402
+from bench.quants import QUANTS  # noqa: E402
 from loaders.quant import ONLINE_METHODS  # noqa: E402
 
 ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
-QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}  # --quant name -> compile_model's quant
 HF_EAGER = "transformers eager bf16"
 SMOKE = {"prompt_tokens": 16, "new_tokens": 4, "runs": 1, "batch": 2}
 

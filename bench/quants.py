@@ -1,0 +1,16 @@
+"""The --quant names the speed benchmarks take, and the `compile_model` quant each one stands for.
+
+Kept apart from bench/measure.py, which must not import torch (bench/engines.py measures
+llama.cpp's memory in a process without it); loaders.quant does.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from loaders.quant import ONLINE_METHODS  # noqa: E402
+
+# "bf16": the checkpoint's weights as stored (the default model's are bf16); the rest are quantized
+# online while loading.
+QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}
