@@ -16,6 +16,9 @@ On the CPU, integer weight-only layers are packed by the loader pass into the op
 ATen's int matmuls and call `int4pack_linear` / `int8pack_linear` (int_cpu.py) directly. QQQ
 layers on the CPU get the int8 weights their 4-bit codes stand for and run as W8A8.
 
+On the CPU, dense bf16 GEMMs (unquantized layers, fp8 weights widened to bf16) run on weights the
+loader pass prepacked for oneDNN, through `onednn_linear` (onednn_cpu.py).
+
 On CUDA, the fuse_act_quant pass further splits a W8A8/W4A8 kernel whose input comes from an
 RMSNorm or from SiLU-and-mul into `rms_norm_quant_int8_triton` / `silu_mul_quant_int8_triton`
 (the normalization or activation and the per-token int8 quantization in one kernel) followed by
@@ -26,7 +29,7 @@ passes find these ops by name.
 """
 
 from . import (fp8_block, fp8_cpu, fp8_reference, fp8_static, int8_cpu, int8_reference, int_cpu,  # noqa: F401
-               int_reference, w4a8_reference)
+               int_reference, onednn_cpu, w4a8_reference)
 
 try:
     from . import (fp8_block_triton, fp8_static_triton, fp8_triton, int8_fused_triton, int8_triton,  # noqa: F401

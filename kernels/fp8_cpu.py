@@ -11,9 +11,9 @@ order and the rounding of its bf16 output differ.
 """
 
 import torch
-import torch.nn.functional as F
 
 from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from .onednn_cpu import dense_linear
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define(
@@ -22,11 +22,12 @@ _lib.define(
 
 
 def fp8_linear_cpu(x, weight, weight_scale, bias):
-    """x: [..., K]; weight: [N, K] in x.dtype holding fp8 values; weight_scale: [N] fp32."""
+    """x: [..., K]; weight: [N, K] in x.dtype holding fp8 values (dense or prepacked, see
+    onednn_cpu.py); weight_scale: [N] fp32."""
     x32 = x.float()
     x_scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # [..., 1]
     x_fp8_values = (x32 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(weight.dtype)
-    acc = F.linear(x_fp8_values, weight)  # [..., N]
+    acc = dense_linear(x_fp8_values, weight)  # [..., N]
     out = acc.float() * x_scale * weight_scale
     if bias is not None:
         out = out + bias.float()

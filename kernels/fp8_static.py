@@ -14,9 +14,9 @@ oracle) and the swap pass replaces it with a kernel for the device.
 """
 
 import torch
-import torch.nn.functional as F
 
 from .fp8_reference import FP8_DTYPE, FP8_MAX
+from .onednn_cpu import dense_linear
 
 
 def quantize_static_fp8(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -80,10 +80,11 @@ _lib.define(
 
 
 def fp8_static_linear_cpu(x, weight, weight_scale, input_scale, bias):
-    """x: [..., K]; weight: [N, K] in the model dtype holding fp8 values; weight_scale: [N] fp32;
+    """x: [..., K]; weight: [N, K] in the model dtype holding fp8 values (dense or prepacked, see
+    onednn_cpu.py); weight_scale: [N] fp32;
     input_scale: [1] fp32."""
     x_fp8_values = quantize_static_fp8(x, input_scale).to(weight.dtype)  # [..., K]
-    acc = F.linear(x_fp8_values, weight)  # [..., N]
+    acc = dense_linear(x_fp8_values, weight)  # [..., N]
     out = acc.float() * input_scale.float() * weight_scale.float()
     if bias is not None:
         out = out + bias.float()

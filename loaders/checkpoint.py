@@ -10,6 +10,9 @@ from .errors import CheckpointError
 from .safetensors_files import checkpoint_files, count_tensors, iter_tensors
 from .tokenizer import load_tokenizer
 
+# Files beside config.json that can change how a checkpoint loads (quantization side files).
+SIDE_FILES = ("hf_quant_config.json", "quantize_config.json", "quant_config.json", "model.safetensors.index.json")
+
 
 class SafetensorsCheckpoint:
     """A Hugging Face folder: config.json, model.safetensors or a sharded index, tokenizer files."""
@@ -22,6 +25,12 @@ class SafetensorsCheckpoint:
     def tensors(self, dtype: torch.dtype) -> tuple[Iterator[tuple[Path, str, torch.Tensor]], int]:
         files = checkpoint_files(self.folder)
         return iter_tensors(files), count_tensors(files)
+
+    def identity_files(self, with_weights: bool = True) -> list[Path]:
+        """The files whose contents decide what qrt builds: config and quantization side files,
+        and the weight files (whose headers the compile cache hashes)."""
+        side = [self.folder / name for name in SIDE_FILES if (self.folder / name).is_file()]
+        return [self.config_path, *side, *(checkpoint_files(self.folder) if with_weights else [])]
 
     def load_tokenizer(self):
         return load_tokenizer(self.folder)
@@ -44,6 +53,9 @@ class GgufCheckpoint:
 
         tensors = read_gguf_tensors(self.path, dtype)
         return ((self.path, name, tensors.pop(name)) for name in list(tensors)), len(tensors)
+
+    def identity_files(self, with_weights: bool = True) -> list[Path]:
+        return [self.path]
 
     def load_tokenizer(self):
         from .gguf import read_gguf_tokenizer

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 import kernels  # noqa: F401  (registers torch.ops.qrt.*)
 from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from kernels.int_reference import pack_rows
+from kernels.onednn_cpu import dense_linear
 
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .parameters import make_parameter
@@ -138,7 +138,7 @@ def apply_int_layout(layout: str, layer, x: torch.Tensor, bits: int, group_size:
                                              layer.cpu_group)
     if layout == INT8PACK:
         return torch.ops.qrt.int8pack_linear(x, layer.weight, layer.scales, layer.zero_terms, layer.bias)
-    return F.linear(x, layer.weight, layer.bias)
+    return dense_linear(x, layer.weight, layer.bias)
 
 
 def copy_ints(param, loaded: torch.Tensor, shard_id, *, layout: ShardLayout | None, dtype: torch.dtype) -> None:

@@ -3,7 +3,8 @@
 from functools import partial
 
 import torch
-import torch.nn.functional as F
+
+from kernels.onednn_cpu import dense_linear
 
 from .parameters import make_parameter
 from .shards import copy_rows
@@ -26,7 +27,7 @@ class UnquantizedLinearMethod:
             )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return dense_linear(x, layer.weight, layer.bias)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         layer.weight.storage_layout = f"{layer.weight.dtype} [N, K]".replace("torch.", "")

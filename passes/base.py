@@ -19,17 +19,45 @@ class GraphPass:
         source = inspect.getsource(type(self))
         return hashlib.sha256(source.encode()).hexdigest()[:16]
 
-    def run(self, gm: torch.fx.GraphModule, report) -> int:
+    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1) -> int:
+        """Transform one graph; `calls`: how many times one run of the compiled function runs it
+        (a nested compile region's body runs once per decoder layer)."""
         raise NotImplementedError
 
 
+def graph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule, int]]:
+    """(name, graph module, calls per run) for `gm` and each subgraph it invokes: the bodies of
+    nested compile regions, which Dynamo stores once however many layers call them."""
+    found = [("", gm, 1)]
+    for _, graph, calls in found:  # grows while it is walked: subgraphs may invoke subgraphs
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
+                name = node.args[0].target
+                entry = next((i for i, (seen, _, _) in enumerate(found) if seen == name), None)
+                if entry is None:
+                    found.append((name, getattr(graph, name), calls))
+                else:
+                    found[entry] = (name, found[entry][1], found[entry][2] + calls)
+    return found
+
+
+def graph_code(gm: torch.fx.GraphModule) -> str:
+    """The Python code of `gm` followed by that of each subgraph it invokes."""
+    parts = [gm.code]
+    for name, sub, calls in graph_modules(gm)[1:]:
+        parts.append(f"\n# ---- subgraph {name}: called {calls}x per run ----\n{sub.code}")
+    return "".join(parts)
+
+
 def count_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Number of call_function nodes per target name, e.g. {'qrt.fp8_linear': 14, ...}."""
+    """Number of call_function nodes per target name, e.g. {'qrt.fp8_linear': 14, ...}, counting
+    a subgraph's ops once per call, as a graph without nested regions would hold them."""
     counts: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            name = target_name(node.target)
-            counts[name] = counts.get(name, 0) + 1
+    for _, graph, calls in graph_modules(gm):
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and node.target is not torch.ops.higher_order.invoke_subgraph:
+                name = target_name(node.target)
+                counts[name] = counts.get(name, 0) + calls
     return counts
 
 

@@ -120,7 +120,7 @@ def match_silu_mul(out):
 class FuseActivationQuant(GraphPass):
     name = "fuse_act_quant"
 
-    def run(self, gm: torch.fx.GraphModule, report) -> int:
+    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1) -> int:
         changed = 0
         graph = gm.graph
         for node in list(graph.nodes):

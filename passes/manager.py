@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from .base import GraphPass, count_ops
+from .base import GraphPass, count_ops, graph_code, graph_modules
 from .fuse_act_quant import FuseActivationQuant
 from .swap_linear import SwapQuantizedLinear
 
@@ -41,11 +41,11 @@ class GraphReport:
 def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PASSES, keep_code=True):
     for pass_cls in passes:
         graph_pass = pass_cls()
-        before_code = gm.code if keep_code else ""
+        before_code = graph_code(gm) if keep_code else ""
         before_ops = count_ops(gm)
-        changed = graph_pass.run(gm, report)
+        changed = sum(graph_pass.run(graph, report, calls) for _, graph, calls in graph_modules(gm))
         report.passes.append(
             PassRecord(graph_pass.name, graph_pass.uuid, changed, before_code,
-                       gm.code if keep_code else "", before_ops, count_ops(gm))
+                       graph_code(gm) if keep_code else "", before_ops, count_ops(gm))
         )
     return gm

@@ -38,6 +38,7 @@ KERNEL_TABLE = {
 DIRECT_KERNELS = {
     "qrt.int4pack_linear": "CPU: the loader pass packed the 4-bit weights for ATen's int4 matmul",
     "qrt.int8pack_linear": "CPU: the loader pass stored int8 weights for ATen's int8 matmul",
+    "qrt.onednn_linear": "CPU: the loader pass prepacked the dense weights for oneDNN's linear",
 }
 
 
@@ -75,7 +76,7 @@ def _resolve_op(name: str):
 class SwapQuantizedLinear(GraphPass):
     name = "swap_quantized_linear"
 
-    def run(self, gm: torch.fx.GraphModule, report) -> int:
+    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1) -> int:
         changed = 0
         for node in gm.graph.nodes:
             if node.op != "call_function":
@@ -86,7 +87,8 @@ class SwapQuantizedLinear(GraphPass):
                 continue
             x, weight = _example(node.args[0]), _example(node.args[1])
             if x is None or weight is None:
-                report.kernel_choices.append(KernelChoice(node.name, logical, logical, "no shape metadata; kept reference", (), "?", "?"))
+                report.kernel_choices += [KernelChoice(node.name, logical, logical, "no shape metadata; kept reference",
+                                                       (), "?", "?")] * calls
                 continue
             key = (x.device.type, _dtype_kind(weight.dtype))
             if table is None:
@@ -100,10 +102,11 @@ class SwapQuantizedLinear(GraphPass):
                 else:
                     node.target = op
                     changed += 1
-            report.kernel_choices.append(
+            # One choice per layer: a nested region's body stands for every layer that calls it.
+            report.kernel_choices += [
                 KernelChoice(node.name, logical, kernel, reason, tuple(weight.shape),
                              str(weight.dtype).removeprefix("torch."), x.device.type)
-            )
+            ] * calls
         if changed:
             gm.graph.lint()
             gm.recompile()

@@ -9,18 +9,28 @@ from pathlib import Path
 
 import torch
 from torch._inductor import config as inductor_config
+from torch.compiler._cache import CacheArtifactManager
 
 from loaders.checkpoint import open_checkpoint
 from loaders.config import DeviceConfig, LoadConfig
 from loaders.loader import load_model
+from loaders.prepack import prepack_cpu_weights
 from loaders.quant import resolve_scheme
 from loaders.tokenizer import eos_token_ids
 from passes.backend import QrtBackend
 
+from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
+                            use_qrt_inductor_dir)
 from .registry import ModelRegistry
 from .sampling import SamplingParams, sample
 
 DEFAULT_MAX_SEQ_LEN = 2048
+# "regional": each distinct decoder layer compiled once, weights as graph inputs (prepacked by
+# the loader on the CPU), graphs cached by qrt. "frozen": the earlier whole-model build with
+# Inductor freezing (weights as constants, optionally autotuned GEMMs), kept for comparison.
+BUILDS = ("regional", "frozen")
+# The progress line's estimate of a cold compile when no earlier one on this device is on record.
+_FIRST_COMPILE_GUESS_S = 20
 _model_numbers = itertools.count()  # names each CompiledModel's functions apart (see _own_copy)
 
 
@@ -36,7 +46,9 @@ def compile_model(
     device_config: DeviceConfig | None = None,
     compile: bool = True,
     warmup: bool = True,
+    build: str | None = None,
     autotune: bool | None = None,
+    cache: bool = True,
     progress: bool = True,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
@@ -46,16 +58,25 @@ def compile_model(
     quant: None to run weights as stored, or an online format ("fp8") for a bf16/fp16 checkpoint.
     compile=False runs eagerly with the reference ops (the numerical oracle).
     warmup compiles prefill and decode now (and says how long it took) instead of on first use.
-    autotune (CPU): let Inductor pick the fastest GEMM implementation for each matmul of the decode
-    graph by timing them while compiling: faster decode for a longer first compile (cached after).
-    None: on, unless the environment sets QRT_AUTOTUNE=0.
+    build: "regional" (default, or $QRT_BUILD): each distinct decoder layer is compiled once and
+    the graphs are cached by qrt (`cache`), so a second start loads them instead of compiling;
+    "frozen": the older whole-model build with Inductor freezing, slower to start, not cached.
+    autotune (frozen build, CPU): let Inductor time its GEMM implementations for each matmul of
+    the decode graph while compiling. None: on for the frozen build unless QRT_AUTOTUNE=0.
+    cache: look up and store the compiled graphs in qrt's compile cache ($QRT_CACHE_DIR/compiled).
     """
+    build = build or os.environ.get("QRT_BUILD") or "regional"
+    if build not in BUILDS:
+        raise ValueError(f"build={build!r}; choose one of {list(BUILDS)}")
+    if autotune and build != "frozen":
+        raise ValueError("autotune=True needs build='frozen': Inductor autotunes GEMMs only on frozen "
+                         "weights, and the regional build runs the loader's prepacked GEMMs instead")
+    if autotune is None:
+        autotune = build == "frozen" and os.environ.get("QRT_AUTOTUNE", "1") != "0"
     if path is None:
         from .default_model import default_model_path
 
         path = default_model_path(progress=progress)
-    if autotune is None:
-        autotune = os.environ.get("QRT_AUTOTUNE", "1") != "0"
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
     checkpoint = open_checkpoint(path, load_config)
@@ -63,12 +84,26 @@ def compile_model(
     model_cls = ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
     scheme = resolve_scheme(hf_config, quant, checkpoint.config_path, checkpoint.folder)
     model = load_model(model_cls, checkpoint, scheme, load_config, device_config)
+    if compile and build == "regional":
+        prepack_cpu_weights(model)
     limit = model.config.max_position_embeddings
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
     model.allocate_caches(max_batch_size, max_seq_len)
     tokenizer = checkpoint.load_tokenizer()
+    compile_cache = None
+    if compile and cache and build == "regional":
+        weights = load_config.load_format != "dummy"
+        key, parts = entry_key({
+            "checkpoint": checkpoint_identity(checkpoint.identity_files(with_weights=weights)),
+            "load_format": load_config.load_format, "quant": scheme.describe(), "device": str(device_config.device),
+            "dtype": str(next(model.parameters()).dtype), "max_seq_len": max_seq_len,
+            "max_batch_size": max_batch_size, "build": build, "model": model_cls.__name__,
+        })
+        compile_cache = CompileCache(key, parts)
+        use_qrt_inductor_dir()
     compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
-                             compile=compile, autotune=autotune, progress=progress, source=Path(path))
+                             compile=compile, build=build, autotune=autotune, progress=progress,
+                             source=Path(path), compile_cache=compile_cache)
     if compile and warmup:
         compiled.warmup()
     return compiled
@@ -100,7 +135,7 @@ class CompiledModel:
     """A loaded model with compiled prefill, decode and full-sequence forward graphs."""
 
     def __init__(self, model, tokenizer, scheme, eos_ids: set[int], *, compile: bool, progress: bool, source,
-                 autotune: bool = False):
+                 build: str = "regional", autotune: bool = False, compile_cache: CompileCache | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.scheme = scheme
@@ -110,7 +145,11 @@ class CompiledModel:
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.max_seq_len
-        freeze = self.device.type == "cpu"
+        self.build = build
+        self.compile_cache = compile_cache
+        self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
+        model.compile_layers_once = build == "regional"
+        freeze = build == "frozen" and self.device.type == "cpu"
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
         # dynamic in length, where autotuning would pick for one length.
         self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode")
@@ -252,15 +291,65 @@ class CompiledModel:
             return self._fns[role](self.model, *args)
 
     def warmup(self) -> None:
-        """Compile prefill and decode now, printing how long each took."""
-        for role, length in (("prefill", 2), ("decode", 1)):
-            started = time.perf_counter()
-            if self.progress:
-                print(f"qrt: compiling {role} …", file=sys.stderr, flush=True)
-            self._prefill(torch.zeros(1, length, dtype=torch.long))
-            self.compile_seconds[role] = time.perf_counter() - started
-            if self.progress:
-                print(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s", file=sys.stderr)
+        """Compile prefill and decode now (or load them from qrt's compile cache), saying which
+        and how long it took."""
+        entry = self._load_cached_graphs()
+        self.cache_hit = entry is not None
+        if entry is not None:
+            self._say("qrt: loading compiled graphs from cache …")
+        elif self.compile_cache is not None:
+            guess = last_cold_compile_seconds(str(self.device)) or _FIRST_COMPILE_GUESS_S
+            self._say(f"qrt: compiling (first run for this model, about {guess:.0f} s)")
+        started = time.perf_counter()
+        # A fresh record of cache artifacts, so that the entry holds this model's graphs only.
+        with CacheArtifactManager.with_fresh_cache():
+            for role, length in (("prefill", 2), ("decode", 1)):
+                role_started = time.perf_counter()
+                if entry is None:
+                    self._say(f"qrt: compiling {role} …")
+                self._prefill(torch.zeros(1, length, dtype=torch.long))
+                self.compile_seconds[role] = time.perf_counter() - role_started
+                if entry is None:
+                    self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
+            total = time.perf_counter() - started
+            if entry is not None:
+                self._say(f"qrt: loaded compiled graphs from cache in {total:.1f} s")
+            elif self.compile_cache is not None:
+                self._store_compiled_graphs(total)
+
+    def _say(self, line: str) -> None:
+        if self.progress:
+            print(line, file=sys.stderr, flush=True)
+
+    def _load_cached_graphs(self) -> dict | None:
+        """Hand the cache entry's artifacts to torch's caches; its metadata, or None on a miss."""
+        if self.compile_cache is None:
+            return None
+        found = self.compile_cache.load(report=self._say_always)
+        if found is None:
+            return None
+        meta, payload = found
+        try:
+            torch.compiler.load_cache_artifacts(payload)
+        except Exception as err:  # noqa: BLE001  (any failure to deserialize means: rebuild it)
+            self.compile_cache.discard(f"{type(err).__name__}: {err}", report=self._say_always)
+            return None
+        return meta
+
+    def _store_compiled_graphs(self, seconds: float) -> None:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return
+        payload, _ = saved
+        try:
+            self.compile_cache.store(payload, {"device": str(self.device), "compile_seconds": round(seconds, 1),
+                                               "source": str(self.source), "quant": self.scheme.describe()})
+        except OSError as err:  # a read-only or full cache folder must not stop the model
+            self._say_always(f"qrt: could not write the compile cache entry {self.compile_cache.path}: {err}")
+
+    @staticmethod
+    def _say_always(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     # ---- helpers ---------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False) -> list[int]:

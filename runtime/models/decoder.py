@@ -22,6 +22,16 @@ SEPARATE_PROJECTIONS = (
 )
 
 
+def _run_layer(layer, x, cos, sin, mask, input_pos):
+    return layer(x, cos, sin, mask, input_pos)
+
+
+# Under torch.compile, Dynamo traces the body once per distinct kind of layer and Inductor
+# compiles it once; every layer of that kind then calls the same compiled code with its own
+# weights and KV cache as inputs, so compile time does not grow with depth. Eagerly it is a no-op.
+_run_layer_once = torch.compiler.nested_compile_region(_run_layer)
+
+
 class DecoderModel(nn.Module):
     """The checkpoint's `model.` part."""
 
@@ -60,6 +70,9 @@ class CausalLM(nn.Module):
         self.sliding_window = cfg.sliding_window if any(layer.sliding for layer in self.model.layers) else None
         self.max_seq_len = 0
         self.max_batch_size = 0
+        # Set by the compiled build that compiles each distinct layer once (runtime/compiled.py);
+        # the frozen whole-graph build inlines every layer instead.
+        self.compile_layers_once = False
 
     def tied_tensor_names(self) -> tuple:
         """Checkpoint tensors that alias another one in this model and may be skipped."""
@@ -111,9 +124,10 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions)  # cos, sin: [T, rot] each
         local_rope = rope if self.local_rotary is None else self.local_rotary(positions)
         x = self.embed(input_ids)
+        run_layer = _run_layer_once if self.compile_layers_once else _run_layer
         for layer in self.model.layers:
             cos, sin = local_rope if layer.sliding else rope
-            x = layer(x, cos, sin, sliding_mask if layer.sliding else mask, input_pos)
+            x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, input_pos)
         x = self.model.norm(x)
         if last_only:
             x = x[:, -1:]

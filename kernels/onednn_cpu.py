@@ -1,0 +1,76 @@
+"""CPU dense GEMM on weights that the loader pass prepacked for oneDNN: `qrt::onednn_linear`.
+
+Inductor prepacks weights for oneDNN only when they are frozen into the graph as constants, and
+frozen graphs can neither be compiled once per decoder layer (inside a nested compile region the
+weights are inputs) nor be cached (AOTAutograd refuses frozen graphs, the FX graph cache refuses
+mkldnn constants). So qrt prepacks in its loader pass instead and keeps the packed tensor out of
+the graph: the layer's parameter becomes a *carrier*, a zero-stride view of one element with the
+weight's shape and dtype, and the packed tensor sits in a side table keyed by the carrier's
+storage. The graph, its fake tensors and its cache entries see only the carrier; the opaque op
+looks the packed weight up when it runs.
+
+At M = 1 a prepacked oneDNN GEMM is about twice as fast as `F.linear` on the same bf16 weight,
+which repacks it on every call (`bench/startup.py` measures the whole decode).
+
+Kernels whose GEMM goes through `dense_linear` take either form of weight, and say so in
+`PREPACKABLE_KERNELS`; the loader pass prepacks only the weights of those.
+"""
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+# carrier storage address -> oneDNN-packed weight [N, K]; an entry lives as long as its carrier
+_PACKED: dict[int, torch.Tensor] = {}
+
+# Kernel ops (as the loader pass records them in `weight.kernel`) whose weight reaches the GEMM
+# only through `dense_linear`, so a prepacked carrier may stand in for it.
+PREPACKABLE_KERNELS = frozenset({"aten.linear", "qrt.fp8_linear_cpu", "qrt.fp8_static_linear_cpu"})
+
+
+def onednn_prepack_supported(dtype: torch.dtype) -> bool:
+    """oneDNN's packed bf16 linear needs the CPU's bf16 instructions (AVX-512 BF16 or AMX)."""
+    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> carrier [N, K] (strides (0, 0), one element of storage); the packed copy
+    is kept until the carrier is freed. The caller holds the carrier (as a parameter) instead of
+    the weight, so the dense weight can be freed."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # mkldnn layout [N, K]
+    carrier = weight.new_zeros(1).expand(weight.shape)  # [N, K], strides (0, 0)
+    address = carrier.untyped_storage().data_ptr()
+    _PACKED[address] = packed
+    weakref.finalize(carrier.untyped_storage(), _PACKED.pop, address, None)
+    return carrier
+
+
+def is_prepacked(weight: torch.Tensor) -> bool:
+    """True for a carrier made by `prepack_weight`: a static property of the tensor (its strides),
+    so inside a traced graph this is decided once, at trace time."""
+    return weight.dim() == 2 and weight.stride() == (0, 0) and weight.numel() > 1
+
+
+@torch.library.custom_op("qrt::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, carrier: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [..., K] bf16; carrier: [N, K] from `prepack_weight`; bias: [N] or None -> [..., N]."""
+    try:
+        packed = _PACKED[carrier.untyped_storage().data_ptr()]
+    except KeyError:
+        raise RuntimeError("qrt::onednn_linear got a weight that was not prepacked by qrt's loader pass "
+                           "(or whose packed copy was freed)") from None
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, carrier, bias):
+    return x.new_empty(*x.shape[:-1], carrier.shape[0])
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ (+ b) for a dense weight [N, K] or a prepacked carrier of one."""
+    if is_prepacked(weight):
+        return torch.ops.qrt.onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

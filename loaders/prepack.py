@@ -1,0 +1,29 @@
+"""Loader step after the loader pass: prepack the dense CPU GEMM weights for oneDNN.
+
+Only for compiled CPU models (see kernels/onednn_cpu.py for why the packing happens here and not
+in Inductor); eager models keep their dense weights so that eager mode stays the plain-ATen oracle.
+"""
+
+from torch import nn
+
+from kernels.onednn_cpu import PREPACKABLE_KERNELS, onednn_prepack_supported, prepack_weight
+
+from .parameters import replace_parameter
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Replace every prepackable 2-D weight by a oneDNN carrier; returns how many were packed.
+
+    A tied lm_head gets a packed copy of its own, while the embedding lookup keeps the rows."""
+    packed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (getattr(module, "quant_method", None) is None or weight is None or weight.dim() != 2
+                or weight.device.type != "cpu" or getattr(weight, "kernel", None) not in PREPACKABLE_KERNELS
+                or not onednn_prepack_supported(weight.dtype)):
+            continue
+        layout = getattr(weight, "storage_layout", f"{weight.dtype} [N, K]".replace("torch.", ""))
+        replace_parameter(module, "weight", prepack_weight(weight.data),
+                          storage_layout=f"{layout}, prepacked for oneDNN (qrt.onednn_linear)")
+        packed += 1
+    return packed
