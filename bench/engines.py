@@ -12,8 +12,11 @@ tokens N, of timed runs and of threads. Every engine decodes greedily and never 
 
 Kinds and what their figures mean:
 - qrt-start: `compile_model(path, quant, warmup=False)` (load_s), then `warmup()`, which compiles
-  prefill and decode (compile_s). Run with an empty TORCHINDUCTOR_CACHE_DIR it is a cold start, run
-  again with the same folder a warm one (Inductor's FX-graph and AOTAutograd caches are there).
+  prefill and decode or loads them from qrt's compile cache (compile_s), then the first token of
+  the prompt (first_token_s: load, compile and that generate, from the call of compile_model). Run
+  with an empty QRT_CACHE_DIR (and TORCHINDUCTOR_CACHE_DIR unset, so that Inductor's caches live
+  there too) it is a cold start; run again with the same folder, a warm one. The job may name the
+  build ("regional" or "frozen") and load_format "dummy" (random weights: compile time only).
 - qrt: a qrt-start at batch 1, then its speed; at batch B > 1 `compile_model(..., max_batch_size=B)`
   and `generate_batch`, and compile_s is its first call, generating 2 tokens (it compiles prefill
   and decode for that batch size, and runs one prefill and one decode step).
@@ -58,34 +61,41 @@ def load_qrt(job: dict):
     import torch
 
     from bench.roofline import weight_bytes_per_token
+    from loaders.config import LoadConfig
     from runtime import compile_model
 
     torch.set_num_threads(job["threads"])
     log(f"{job['label']}: loading")
     started = time.perf_counter()
     model = compile_model(job["path"], job["quant"], max_seq_len=cache_length(job),
-                          max_batch_size=len(job["prompts"]), warmup=False, progress=False)
+                          max_batch_size=len(job["prompts"]), warmup=False, progress=False, build=job.get("build"),
+                          load_config=LoadConfig(load_format=job.get("load_format", "auto"), progress=False))
     load_s = time.perf_counter() - started
     causal_lm = model.model
-    return model, {"load_s": load_s,
+    return model, {"load_s": load_s, "started": started,
                    "weight_bytes_per_token": weight_bytes_per_token(causal_lm, causal_lm.model.embed_tokens.weight)}
 
 
-def warm_up(model, job: dict) -> dict:
+def warm_up(model, job: dict, started: float) -> dict:
+    """Compile (or load the compiled graphs), then generate the first token of the prompt."""
     log(f"{job['label']}: compiling")
-    return {"compile_s": wall_time(model.warmup), "compile_seconds": dict(model.compile_seconds)}
+    compile_s = wall_time(model.warmup)
+    check_length(model.generate(job["prompts"][0], max_new_tokens=1, stop_at_eos=False), 1, job["label"])
+    return {"compile_s": compile_s, "compile_seconds": dict(model.compile_seconds),
+            "first_token_s": time.perf_counter() - started, "cache_hit": model.cache_hit}
 
 
 def qrt_start(job: dict) -> dict:
     model, figures = load_qrt(job)
-    return {**figures, **warm_up(model, job)}
+    return {**figures, **warm_up(model, job, figures.pop("started"))}
 
 
 def qrt(job: dict) -> dict:
     engine, prompts = job["label"], job["prompts"]
     model, figures = load_qrt(job)
+    started = figures.pop("started")
     if len(prompts) == 1:
-        figures.update(warm_up(model, job))
+        figures.update(warm_up(model, job, started))
 
         def run(n: int) -> None:
             check_length(model.generate(prompts[0], max_new_tokens=n, stop_at_eos=False), n, engine)

@@ -12,9 +12,10 @@ Run it on a quiet machine: with two cores, another CPU-bound job slows decode by
 load average is printed, with a warning when it is high). Each measurement is a fresh process
 (bench/engines.py, which says exactly what each figure times), one after another:
 - qrt in bf16 (weights as stored) and in every online quantization of loaders.quant.ONLINE_METHODS:
-  batch 1 with an empty Inductor cache (load, cold compile, prefill, decode, memory); a second
-  process with that cache that only loads and compiles (warm start = its load + compile); batch 8
-  (`max_batch_size=8`, `generate_batch`).
+  batch 1 with an empty qrt cache folder (QRT_CACHE_DIR, which holds qrt's compile cache and
+  Inductor's caches: load, cold compile, prefill, decode, memory); a second process with that
+  folder that only loads and compiles or loads its compiled graphs (warm start = its load +
+  compile); batch 8 (`max_batch_size=8`, `generate_batch`).
 - transformers eager bf16, and transformers with a static cache and torch.compile (empty cache):
   batch 1 and batch 8.
 - llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0 and
@@ -30,8 +31,8 @@ times are one per process. ×HF: decode over transformers eager's at the same ba
 decode over batch × read bandwidth ÷ weight bytes per decode step (bench/roofline.py; the
 bandwidth is measured again at the start of every run but --smoke): the speed of
 a step that did nothing but read the weights once (KV-cache reads not counted). peak RSS: each
-process's peak resident memory (VmHWM), its imports included. Every compiling engine gets fresh Inductor cache folders
-(TORCHINDUCTOR_CACHE_DIR is set for each), deleted at the end.
+process's peak resident memory (VmHWM), its imports included. Every compiling engine gets fresh cache folders
+(QRT_CACHE_DIR for qrt, TORCHINDUCTOR_CACHE_DIR for transformers), deleted at the end.
 """
 
 import argparse
@@ -113,9 +114,11 @@ class Runner:
         self.path, self.prompts, self.args, self.threads, self.work = path, prompts, args, threads, work
         self.count = 0
 
-    def job(self, kind: str, label: str, batch: int, inductor_cache: Path | None = None, **extra) -> dict:
+    def job(self, kind: str, label: str, batch: int, inductor_cache: Path | None = None,
+            qrt_cache: Path | None = None, **extra) -> dict:
         """The figures of one job, or {"error": ...} if it failed (its traceback is on stderr).
-        inductor_cache: the TORCHINDUCTOR_CACHE_DIR of a job that compiles."""
+        inductor_cache: the TORCHINDUCTOR_CACHE_DIR of a job that compiles; qrt_cache: the
+        QRT_CACHE_DIR of a qrt job (its compile cache, and Inductor's caches inside it)."""
         self.count += 1
         job = {"kind": kind, "label": label, "path": str(self.path), "prompts": self.prompts[:batch],
                "new_tokens": self.args.new_tokens, "runs": self.args.runs, "threads": self.threads, **extra}
@@ -125,6 +128,9 @@ class Runner:
         if inductor_cache is not None:
             inductor_cache.mkdir(exist_ok=True)
             env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+        if qrt_cache is not None:
+            env.update(isolated_qrt_cache(qrt_cache))
+            env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         started = time.perf_counter()
         # The job's own output goes to stderr: stdout carries only the suite's tables.
         status = subprocess.run([sys.executable, str(ENGINES_SCRIPT), str(job_file), str(result_file)], env=env,
@@ -133,11 +139,12 @@ class Runner:
             return {"error": f"the job's process exited with status {status} before writing a result"}
         return {**json.loads(result_file.read_text()), "process_s": time.perf_counter() - started}
 
-    def qrt(self, name: str) -> dict:
-        label, cache, quant = f"qrt {name}", self.work / f"inductor-qrt-{name}", QUANTS[name]
-        batch1 = self.job("qrt", label, 1, cache, quant=quant)  # the cache is empty: a cold compile
-        warm = self.job("qrt-start", f"{label} (warm start)", 1, cache, quant=quant)
-        batched = self.job("qrt", label, self.args.batch, cache, quant=quant)
+    def qrt(self, name: str, build: str | None = None) -> dict:
+        label, quant = f"qrt {name}" + (f" ({build} build)" if build else ""), QUANTS[name]
+        cache = self.work / f"qrt-cache-{name}-{build}"
+        batch1 = self.job("qrt", label, 1, qrt_cache=cache, quant=quant, build=build)  # empty: a cold start
+        warm = self.job("qrt-start", f"{label} (warm start)", 1, qrt_cache=cache, quant=quant, build=build)
+        batched = self.job("qrt", label, self.args.batch, qrt_cache=cache, quant=quant, build=build)
         return make_row("qrt", name, label, {1: batch1, self.args.batch: batched}, warm)
 
     def transformers(self, compiled: bool) -> dict:
@@ -157,6 +164,18 @@ class Runner:
         return row
 
 
+def isolated_qrt_cache(folder: Path) -> dict:
+    """Environment for a qrt job whose compile cache is `folder` (made here, empty at first), with
+    the user's converted models and bench checkpoints linked in rather than converted again."""
+    from runtime.compile_cache import cache_root
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for shared in ("models", "bench"):
+        if (cache_root() / shared).is_dir() and not (folder / shared).exists():
+            (folder / shared).symlink_to(cache_root() / shared)
+    return {"QRT_CACHE_DIR": str(folder)}
+
+
 def make_row(engine: str, fmt: str, label: str, speed_jobs: dict, start_job: dict | None = None) -> dict:
     """One engine/format's figures from its jobs (batch -> job, None where not run)."""
     batch1 = speed_jobs[1]
@@ -169,6 +188,8 @@ def make_row(engine: str, fmt: str, label: str, speed_jobs: dict, start_job: dic
         "load_s": batch1.get("load_s"),
         "compile_s": batch1.get("compile_s"),
         "warm_start_s": start_job["load_s"] + start_job["compile_s"] if start_ok else None,
+        "first_token_s": batch1.get("first_token_s"),
+        "warm_first_token_s": start_job.get("first_token_s") if start_ok else None,
         "prefill_tok_s": batch1.get("prefill_tok_s"),
         "decode_tok_s": {str(b): (job or {}).get("decode_tok_s") for b, job in speed_jobs.items()},
         "peak_rss_mib": {str(b): (job or {}).get("peak_rss_mib") for b, job in speed_jobs.items()},

@@ -73,4 +73,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x Wᵀ (+ b) for a dense weight [N, K] or a prepacked carrier of one."""
     if is_prepacked(weight):
         return torch.ops.qrt.onednn_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if bias is None:
+        return F.linear(x, weight)
+    # The bias added apart: inside a nested compile region, torch 2.13 replays F.linear with a
+    # bias under functionalization through a path that reads the input's sizes as ints, which
+    # turns a dynamic sequence length into a constant (a ConstraintViolationError).
+    return F.linear(x, weight) + bias

@@ -43,7 +43,8 @@ def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PAS
         graph_pass = pass_cls()
         before_code = graph_code(gm) if keep_code else ""
         before_ops = count_ops(gm)
-        changed = sum(graph_pass.run(graph, report, calls) for _, graph, calls in graph_modules(gm))
+        # Like the op counts, a change inside a nested region's body counts once per layer calling it.
+        changed = sum(graph_pass.run(graph, report, calls) * calls for _, graph, calls in graph_modules(gm))
         report.passes.append(
             PassRecord(graph_pass.name, graph_pass.uuid, changed, before_code,
                        graph_code(gm) if keep_code else "", before_ops, count_ops(gm))

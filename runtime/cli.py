@@ -1,4 +1,4 @@
-"""`python -m runtime` / `qrt`: generate, eval, inspect, dump."""
+"""`python -m runtime` / `qrt`: generate, eval, inspect, dump, cache."""
 
 import argparse
 import json
@@ -10,6 +10,7 @@ import torch
 
 from loaders.errors import QrtError
 
+from .compiled import BUILDS
 from .evaluate import DEFAULT_WINDOW
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -43,8 +44,12 @@ def _parser() -> argparse.ArgumentParser:
                               "(default: as stored)")
         sub.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
         sub.add_argument("--device", default="cpu")
+        sub.add_argument("--build", choices=BUILDS, default=None,
+                         help="regional (default): each distinct layer compiled once, graphs cached; "
+                              "frozen: the older whole-model build with Inductor freezing")
         sub.add_argument("--no-autotune", action="store_true",
-                         help="compile faster, decode slower: skip timing GEMM implementations for decode (CPU)")
+                         help="frozen build: skip timing GEMM implementations for decode (CPU)")
+        sub.add_argument("--no-cache", action="store_true", help="neither load nor store qrt's compiled graphs")
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
@@ -81,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("--out", default="dump", help="output folder (default: ./dump)")
     dump.add_argument("--decode-steps", type=int, default=8, help="decode steps checked for recompiles")
     dump.set_defaults(handler=_dump)
+
+    cache = commands.add_parser("cache", help="list or clear qrt's compile cache ($QRT_CACHE_DIR/compiled)")
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.set_defaults(handler=_cache)
     return parser
 
 
@@ -88,7 +97,8 @@ def _compile(args, path=None, **kwargs):
     import runtime
 
     return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype,
-                                 autotune=False if args.no_autotune else None, **kwargs)
+                                 build=args.build, autotune=False if args.no_autotune else None,
+                                 cache=not args.no_cache, **kwargs)
 
 
 def _generate(args) -> int:
@@ -216,3 +226,26 @@ def _check_no_recompiles(model, steps: int) -> str:
     except Exception as err:  # the stance raises a plain RuntimeError naming the guard that failed
         return f"FAILED: decode recompiled within {steps} steps: {err}"
     return f"ok: {steps} decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles"
+
+
+def _cache(args) -> int:
+    from .compile_cache import Entry, clear_entries, compiled_dir, list_entries, qrt_inductor_dir
+
+    if args.action == "clear":
+        files, size = clear_entries()
+        print(f"qrt: removed {files} files ({size / 2**20:.1f} MiB) from {compiled_dir()} and {qrt_inductor_dir()}")
+        return 0
+    entries = list_entries()
+    print(f"{compiled_dir()}: {len(entries)} entries")
+    for entry in entries:
+        if not isinstance(entry, Entry):
+            path, problem = entry
+            print(f"  {path.name}  UNUSABLE ({problem}); rebuilt on next use, or run `qrt cache clear`")
+            continue
+        meta = entry.meta
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta.get("created", 0)))
+        parts = meta.get("parts", {})
+        print(f"  {entry.path.stem}  {created}  {entry.size / 2**20:6.1f} MiB  {meta.get('source')}  "
+              f"quant={meta.get('quant')}  device={meta.get('device')}  max_seq_len={parts.get('max_seq_len')}  "
+              f"max_batch_size={parts.get('max_batch_size')}  cold compile {meta.get('compile_seconds')} s")
+    return 0

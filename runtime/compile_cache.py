@@ -43,6 +43,9 @@ def compiled_dir() -> Path:
     return cache_root() / "compiled"
 
 
+_set_by_qrt: str | None = None  # the TORCHINDUCTOR_CACHE_DIR value qrt last set
+
+
 def qrt_inductor_dir() -> Path:
     return cache_root() / "inductor"
 
@@ -54,12 +57,15 @@ def use_qrt_inductor_dir() -> Path:
     warm start compiles every C++ kernel again (about 12 s of the default model's 13 s)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    # Inductor writes its default into the variable on first use, so only another value is a choice.
+    global _set_by_qrt
+    # Inductor writes its default into the variable on first use, and qrt its own folder, so only
+    # another value is the user's choice.
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is not None and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+    if chosen is not None and os.path.abspath(chosen) not in (os.path.abspath(default_cache_dir()), _set_by_qrt):
         return Path(chosen)
     folder = qrt_inductor_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    _set_by_qrt = os.path.abspath(folder)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _set_by_qrt
     return folder
 
 

@@ -148,7 +148,7 @@ class CompiledModel:
         self.build = build
         self.compile_cache = compile_cache
         self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
-        model.compile_layers_once = build == "regional"
+        model.compile_layers_once = compile and build == "regional"
         freeze = build == "frozen" and self.device.type == "cpu"
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
         # dynamic in length, where autotuning would pick for one length.
@@ -330,9 +330,13 @@ class CompiledModel:
             return None
         meta, payload = found
         try:
-            torch.compiler.load_cache_artifacts(payload)
+            loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as err:  # noqa: BLE001  (any failure to deserialize means: rebuild it)
-            self.compile_cache.discard(f"{type(err).__name__}: {err}", report=self._say_always)
+            loaded, problem = None, f"{type(err).__name__}: {err}"
+        else:
+            problem = "torch could not deserialize its artifacts"
+        if loaded is None:  # torch logs and returns None for a payload it cannot read
+            self.compile_cache.discard(problem, report=self._say_always)
             return None
         return meta
 

@@ -42,6 +42,9 @@ def test_swap_pass_replaced_every_logical_op(warmed):
         assert swap.ops_after.get("qrt.fp8_linear_cpu", 0) == expected, role
         assert swap.changed == expected
         assert [c.kernel for c in graph.kernel_choices] == ["qrt.fp8_linear_cpu"] * expected
+        # Each role compiles one decoder-layer body, which every layer calls.
+        assert swap.code_before.count("# ---- subgraph ") == 1, role
+        assert f"called {TINY_LAYERS}x per run" in swap.code_before, role
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -54,11 +57,31 @@ def test_dynamo_explain_finds_no_graph_breaks(llama_dir, compiled, role):
     assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
 
 
-def test_autotuned_decode_gives_the_same_tokens_in_one_graph(llama_dir):
+def test_regional_build_prepacks_dense_weights_and_matches_the_frozen_build(llama_dir):
+    import runtime
+    from kernels.onednn_cpu import is_prepacked
+
+    bf16 = runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128)
+    linears = [m for m in bf16.model.modules() if hasattr(m, "quant_method")]
+    assert len(linears) == LINEARS_PER_LAYER * TINY_LAYERS + 1
+    assert all(is_prepacked(m.weight) for m in linears)
+    (decode,) = bf16.backends["decode"].log.graphs
+    assert [c.kernel for c in decode.kernel_choices] == ["qrt.onednn_linear"] * len(linears)
+    frozen = runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128, build="frozen")
+    assert not any(is_prepacked(m.weight) for m in frozen.model.modules() if hasattr(m, "quant_method"))
+    prompt = [5, 6, 7, 8]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert bf16.generate(prompt, max_new_tokens=12, stop_at_eos=False) == \
+            frozen.generate(prompt, max_new_tokens=12, stop_at_eos=False)
+    with pytest.raises(ValueError, match="needs build='frozen'"):
+        runtime.compile_model(llama_dir, progress=False, autotune=True)
+
+
+def test_frozen_build_autotuned_decode_gives_the_same_tokens_in_one_graph(llama_dir):
     import runtime
 
     eager = runtime.compile_model(llama_dir, compile=False, progress=False, max_seq_len=128)
-    autotuned = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, autotune=True)
+    autotuned = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, build="frozen", autotune=True)
     assert autotuned.backends["decode"].config_patches.get("max_autotune") is True
     prompt = [5, 6, 7, 8]
     with torch.compiler.set_stance("fail_on_recompile"):

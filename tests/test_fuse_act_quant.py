@@ -16,7 +16,7 @@ import kernels.w4a8_triton  # noqa: F401
 import runtime
 from kernels.int8_reference import weight_row_sums
 from kernels.int_reference import pack_rows
-from passes.base import count_ops
+from passes.base import count_ops, graph_modules
 from passes.fuse_act_quant import FuseActivationQuant
 from passes.manager import passes_for
 from runtime.models.layers import RMSNorm
@@ -124,18 +124,24 @@ def test_the_pass_runs_on_cuda_graphs_only():
     assert FuseActivationQuant in passes_for("cuda") and FuseActivationQuant not in passes_for("cpu")
 
 
-def test_fuses_the_tiny_w8a8_model_graph(tmp_path):
+@pytest.mark.parametrize("layers_once", [False, True], ids=["inlined-layers", "nested-region-layers"])
+def test_fuses_the_tiny_w8a8_model_graph(tmp_path, layers_once):
     """On the real model graph: q/k/v and gate/up follow RMSNorms, down_proj follows silu * up;
-    o_proj follows attention and keeps its own quantization."""
+    o_proj follows attention and keeps its own quantization. With the layers in a nested compile
+    region the pass rewrites the one body both layers call, as the backend runs it."""
     make_ct_w8a8_checkpoint(tmp_path / "ckpt")
     model = runtime.compile_model(tmp_path / "ckpt", compile=False, progress=False, max_seq_len=32).model
+    model.compile_layers_once = layers_once
     ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(3))
     gm, inputs = capture(lambda m, i: m(i), model, ids)
-    for node in gm.graph.nodes:  # what the swap pass does on CUDA
-        if node.op == "call_function" and node.target is torch.ops.qrt.int8_linear:
-            node.target = torch.ops.qrt.int8_linear_triton
-    gm.recompile()
-    fused, changed = fuse(gm)
+    assert len(graph_modules(gm)) == (2 if layers_once else 1)
+    for _, graph, _ in graph_modules(gm):  # what the swap pass does on CUDA
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.qrt.int8_linear:
+                node.target = torch.ops.qrt.int8_linear_triton
+        graph.recompile()
+    fused = copy.deepcopy(gm)
+    changed = sum(FuseActivationQuant().run(graph, None, calls) * calls for _, graph, calls in graph_modules(fused))
     assert changed == 6
     assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 4, "qrt.silu_mul_quant_int8_triton": 2,
                               "qrt.int8_gemm_triton": 6, "qrt.int8_linear_triton": 2}

@@ -1,0 +1,109 @@
+"""qrt's compile cache: a second start loads the graphs the first compiled, a broken entry is
+reported in one line and rebuilt, the key follows what the graphs depend on, and the CLI lists and
+clears entries."""
+
+import json
+
+import pytest
+import torch
+
+import runtime
+from runtime import cli
+from runtime.compile_cache import MAGIC, CompileCache, checkpoint_identity, entry_key, list_entries
+from tiny_checkpoints import edited_copy
+
+PROMPT = [5, 9, 2, 7, 11]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "qrt-cache"
+    monkeypatch.setenv("QRT_CACHE_DIR", str(folder))
+    return folder
+
+
+def start(folder, **kwargs):
+    return runtime.compile_model(folder, max_seq_len=64, **kwargs)
+
+
+def only_entry(cache_dir):
+    (entry,) = (cache_dir / "compiled").glob("*.qrtc")
+    return entry
+
+
+def test_second_start_loads_the_graphs_and_decodes_the_same(llama_dir, cache_dir, capfd):
+    first = start(llama_dir)
+    assert first.cache_hit is False
+    assert "compiling (first run for this model, about" in capfd.readouterr().err
+    expected = first.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)
+    entry = only_entry(cache_dir)
+    second = start(llama_dir)
+    assert second.cache_hit is True
+    assert "loaded compiled graphs from cache" in capfd.readouterr().err
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert second.generate(PROMPT, max_new_tokens=8, stop_at_eos=False) == expected
+    assert second.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}
+    assert list(cache_dir.joinpath("compiled").glob("*.qrtc")) == [entry]  # a hit writes nothing new
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload_byte", "garbage_header", "valid_checksum_bad_payload"])
+def test_a_broken_entry_is_reported_in_one_line_and_rebuilt(llama_dir, cache_dir, capfd, damage):
+    expected = start(llama_dir).generate(PROMPT, max_new_tokens=6, stop_at_eos=False)
+    entry = only_entry(cache_dir)
+    data = entry.read_bytes()
+    if damage == "truncate":
+        entry.write_bytes(data[: len(data) // 2])
+    elif damage == "flip_payload_byte":
+        entry.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
+    elif damage == "garbage_header":
+        entry.write_bytes(b"\x00garbage" + data[20:])
+    else:  # passes every check of the file itself; torch cannot deserialize it
+        meta = json.loads(data[len(MAGIC):].partition(b"\n")[0])
+        CompileCache(meta["key"], meta["parts"], directory=entry.parent).store(b"not artifacts" * 10, meta)
+    capfd.readouterr()
+    rebuilt = start(llama_dir)
+    err = capfd.readouterr().err
+    complaints = [line for line in err.splitlines() if str(entry) in line]
+    assert len(complaints) == 1 and "deleting it and compiling anew" in complaints[0]
+    assert rebuilt.cache_hit is False
+    assert rebuilt.generate(PROMPT, max_new_tokens=6, stop_at_eos=False) == expected
+    # The rebuilt entry is whole again, and serves the next start.
+    assert start(llama_dir).cache_hit is True
+
+
+def test_the_key_follows_config_weights_headers_format_and_shapes(llama_dir, tmp_path):
+    def key(folder=llama_dir, **parts):
+        files = [folder / "config.json", folder / "model.safetensors"]
+        return entry_key({"checkpoint": checkpoint_identity(files), "quant": None, "max_seq_len": 64, **parts})[0]
+
+    base = key()
+    assert key() == base
+    assert key(quant="fp8") != base
+    assert key(max_seq_len=128) != base
+    config_edit = edited_copy(llama_dir, tmp_path / "eps")
+    config = json.loads((config_edit / "config.json").read_text())
+    (config_edit / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    assert key(config_edit) != base
+    # The same config, one tensor renamed: the safetensors header tells them apart.
+    renamed = edited_copy(llama_dir, tmp_path / "renamed",
+                          tensors=lambda state: state.__setitem__("model.norm.weigh_", state.pop("model.norm.weight")))
+    assert key(renamed) != base
+
+
+def test_cli_lists_and_clears_entries(llama_dir, cache_dir, capsys):
+    start(llama_dir, progress=False)
+    assert cli.main(["cache", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "1 entries" in listing and str(llama_dir) in listing and "max_seq_len=64" in listing
+    only_entry(cache_dir).write_bytes(b"broken")
+    assert cli.main(["cache", "list"]) == 0
+    assert "UNUSABLE" in capsys.readouterr().out
+    assert cli.main(["cache", "clear"]) == 0
+    assert list_entries() == []
+    assert not (cache_dir / "inductor").exists()
+
+
+def test_no_cache_and_frozen_builds_write_no_entry(llama_dir, cache_dir):
+    assert start(llama_dir, cache=False, progress=False).cache_hit is False
+    assert start(llama_dir, build="frozen", progress=False).compile_cache is None
+    assert not (cache_dir / "compiled").exists()
