@@ -52,11 +52,13 @@ def pack_int4_for_cpu(qweight, scales, zeros, group_size: int, k: int, cpu_group
     return packed, scale_offsets
 
 
-def pack_int8_for_cpu(qweight, scales, zeros, k: int, dtype):
-    """Canonical 8-bit per-channel layout -> (int8 [N, K], scales [N], zero_terms [N] or None),
-    scales and zero terms in `dtype`; zero_terms is None when every zero point is 128."""
-    q = unpack_rows(qweight, 8, k)  # [K, N] int32 in [0, 256)
-    weight = (q - 128).t().contiguous().to(torch.int8)  # [N, K]
+def pack_int8_for_cpu(q, scales, zeros, dtype):
+    """Unpacked 8-bit per-channel codes q [K, N] (int32 in [0, 256)) -> (int8 [N, K], scales [N],
+    zero_terms [N] or None), scales and zero terms in `dtype`; zero_terms is None when every zero
+    point is 128."""
+    # q - 128 as int8 is the code's byte with its top bit flipped. Narrowed to bytes before the
+    # transposing copy: int32 temporaries of a 49152-row lm_head were the peak of a whole load.
+    weight = (q.to(torch.uint8) ^ 0x80).view(torch.int8).t().contiguous()  # [N, K]
     s, z = scales.float()[0], zeros.float()[0]  # [N] fp32: one group spans K
     zero_terms = None if bool((z == 128).all()) else ((z - 128.0) * s).to(dtype)
     return weight, s.to(dtype), zero_terms

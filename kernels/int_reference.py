@@ -34,20 +34,32 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """
     pf = pack_factor(bits)
     rows, cols = values.shape
-    padded = torch.zeros(-(-rows // pf) * pf, cols, dtype=torch.int64, device=values.device)
-    padded[:rows] = values.to(torch.int64)
+    out = torch.empty(-(-rows // pf), cols, dtype=torch.int32, device=values.device)
     shifts = (torch.arange(pf, device=values.device, dtype=torch.int64) * bits)[None, :, None]
-    words = (padded.view(-1, pf, cols) << shifts).sum(dim=1)  # [R / pf, C], fields never overlap
-    return _as_int32(words)
+    for start in range(0, cols, _COLUMNS_PER_CHUNK):
+        part = values[:, start : start + _COLUMNS_PER_CHUNK]
+        padded = torch.zeros(out.shape[0] * pf, part.shape[1], dtype=torch.int64, device=values.device)
+        padded[:rows] = part.to(torch.int64)
+        words = (padded.view(-1, pf, part.shape[1]) << shifts).sum(dim=1)  # [R / pf, c], fields never overlap
+        out[:, start : start + part.shape[1]] = _as_int32(words)
+    return out
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     """Inverse of `pack_rows`: int32 [ceil(rows / pf), C] -> int32 [rows, C] unsigned values."""
     pf = pack_factor(bits)
-    words = packed.to(torch.int64) & 0xFFFFFFFF  # read each word as unsigned
+    out = torch.empty(rows, packed.shape[1], dtype=torch.int32, device=packed.device)
     shifts = (torch.arange(pf, device=packed.device, dtype=torch.int64) * bits)[None, :, None]
-    fields = (words[:, None, :] >> shifts) & ((1 << bits) - 1)  # [R / pf, pf, C]
-    return fields.reshape(-1, packed.shape[1])[:rows].to(torch.int32)
+    for start in range(0, packed.shape[1], _COLUMNS_PER_CHUNK):
+        words = packed[:, start : start + _COLUMNS_PER_CHUNK].to(torch.int64) & 0xFFFFFFFF  # as unsigned
+        fields = (words[:, None, :] >> shifts) & ((1 << bits) - 1)  # [R / pf, pf, c]
+        out[:, start : start + words.shape[1]] = fields.reshape(-1, words.shape[1])[:rows]
+    return out
+
+
+# Columns packed or unpacked at a time: the int64 temporaries of a whole lm_head (49152 columns)
+# came to several hundred MiB, the peak of loading an int4 model.
+_COLUMNS_PER_CHUNK = 4096
 
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,9 @@ from .parameters import make_parameter
 from .shards import check_shape, copy_rows
 
 _MIN_SCALE = 1e-8  # an all-equal group gets a tiny scale instead of a division by zero
+# Rows quantized at a time: the float32 temporaries of a whole 49152-row lm_head came to several
+# hundred MiB at once, the peak of the whole load.
+_ROWS_PER_CHUNK = 4096
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,15 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, cfg: OnlineI
     columns = param.data if shards is None else shards.rows(param.data, shard_id, dim=1)
     check_shape(loaded, (columns.shape[1], layer.input_size))
     k = layer.input_size
-    q, scales, zeros = quantize_int_rows(loaded, cfg.bits, cfg.group_size(k), layer.params_dtype)
-    columns.copy_(pack_rows(q.t(), cfg.bits))
-    for name, values in (("scales", scales), ("zeros", zeros)):
-        target = getattr(layer, name).data
-        (target if shards is None else shards.rows(target, shard_id, dim=1)).copy_(values.t())
+    targets = {name: getattr(layer, name).data for name in ("scales", "zeros")}
+    if shards is not None:
+        targets = {name: shards.rows(target, shard_id, dim=1) for name, target in targets.items()}
+    for start in range(0, loaded.shape[0], _ROWS_PER_CHUNK):
+        rows = slice(start, start + _ROWS_PER_CHUNK)
+        q, scales, zeros = quantize_int_rows(loaded[rows], cfg.bits, cfg.group_size(k), layer.params_dtype)
+        columns[:, rows].copy_(pack_rows(q.t(), cfg.bits))
+        targets["scales"][:, rows].copy_(scales.t())
+        targets["zeros"][:, rows].copy_(zeros.t())
 
 
 class OnlineIntLinearMethod:

@@ -115,7 +115,7 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
         layer.scale_offsets = make_parameter(scale_offsets)  # [K / g, N, 2] model dtype
         layer.cpu_group = cpu_group
     elif layout == INT8PACK:
-        weight, scales, zero_terms = pack_int8_for_cpu(pack_rows(w.q, 8), w.scales, w.zeros, k, dtype)
+        weight, scales, zero_terms = pack_int8_for_cpu(w.q, w.scales, w.zeros, dtype)
         asym = "" if zero_terms is None else ", zero-point correction"
         layer.weight = make_parameter(weight, quant_format=what, kernel="qrt.int8pack_linear",  # [N, K] int8
                                       storage_layout=f"int8 [N, K], channel scales{asym}")

@@ -21,6 +21,7 @@ from passes.backend import QrtBackend
 
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
                             use_qrt_inductor_dir)
+from .malloc import map_large_allocations
 from .registry import ModelRegistry
 from .sampling import SamplingParams, sample
 
@@ -77,6 +78,7 @@ def compile_model(
         from .default_model import default_model_path
 
         path = default_model_path(progress=progress)
+    map_large_allocations()
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
     checkpoint = open_checkpoint(path, load_config)

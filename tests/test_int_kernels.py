@@ -86,7 +86,8 @@ def test_int4_cpu_group_splits_coarse_groups_and_refuses_what_aten_cannot_run():
 def test_cpu_int8_pack_kernel_matches_reference(asym, dtype):
     k, n = 192, 48
     layer, _ = random_layer(k, n, 8, -1, asym=asym, seed=3)
-    weight, scales, zero_terms = pack_int8_for_cpu(layer["qweight"], layer["scales"], layer["zeros"], k, dtype)
+    weight, scales, zero_terms = pack_int8_for_cpu(unpack_rows(layer["qweight"], 8, k), layer["scales"], layer["zeros"],
+                                                     dtype)
     assert (zero_terms is None) == (not asym)
     bias = torch.randn(n).to(dtype)
     for m in (1, 5):
