@@ -12,7 +12,8 @@ after another, so run it on a quiet machine. For each format and build:
   counted); then decode at batch 1 (median of --runs after an untimed run) and the peak RSS of the
   whole process (imports, load, compile and the decode runs: VmHWM);
 - warm: a second process on that folder: first token s as above (the regional build loads its
-  graphs from qrt's compile cache; the frozen build gets what Inductor's own caches serve);
+  graphs from qrt's compile cache; the frozen build, with --frozen-warm, gets what Inductor's own
+  caches serve: minutes per format, so it is off by default);
 - batch 8: a third process on that folder (`max_batch_size=8`, `generate_batch`).
 Then transformers eager bf16 at batch 1 for its peak RSS. The depth table compiles (cold, regional
 bf16) the default model and the 0.85B Llama's shape with 16 and 60 layers, with random weights
@@ -48,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=positive_int, default=32)
     parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--frozen-warm", action="store_true",
+                        help="also time a warm start of the frozen build (minutes per format; not served by a cache)")
     parser.add_argument("--no-depth", action="store_true", help="skip the compile-time-against-depth table")
     parser.add_argument("--depth-only", action="store_true", help="only the compile-time-against-depth table")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -62,7 +65,8 @@ def start_rows(runner: Runner, args) -> list[dict]:
     rows = []
     for name in args.quant:
         for build in args.builds:
-            rows.append(runner.qrt(name, build) | {"build": build})
+            warm = build == "regional" or args.frozen_warm
+            rows.append(runner.qrt(name, build, warm=warm) | {"build": build})
     eager = runner.job("transformers", HF_EAGER, 1)
     rows.append({"label": HF_EAGER, "build": None, "format": "bf16", "first_token_s": None,
                  "warm_first_token_s": None, "decode_tok_s": {"1": eager.get("decode_tok_s"), str(args.batch): None},
@@ -87,7 +91,8 @@ def depth_rows(runner: Runner, args, work: Path) -> list[dict]:
                   "model_type": "llama", "torch_dtype": "bfloat16"}
         (folder / "config.json").write_text(json.dumps(config))
         job = runner.job("qrt-start", f"0.85B shape, {layers} layers", 1, qrt_cache=work / f"depth-{layers}",
-                         quant=None, build="regional", load_format="dummy", path=str(folder))
+                         quant=None, build="regional", load_format="dummy", path=str(folder),
+                         prompts=[prompt_ids(LLAMA_1B["vocab_size"], args.prompt_tokens)])
         rows.append({"label": f"0.85B Llama shape, {layers} layers (random weights)", "job": job})
     base = default_job.get("compile_s")
     for row in rows:

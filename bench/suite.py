@@ -139,13 +139,14 @@ class Runner:
             return {"error": f"the job's process exited with status {status} before writing a result"}
         return {**json.loads(result_file.read_text()), "process_s": time.perf_counter() - started}
 
-    def qrt(self, name: str, build: str | None = None) -> dict:
+    def qrt(self, name: str, build: str | None = None, warm: bool = True) -> dict:
         label, quant = f"qrt {name}" + (f" ({build} build)" if build else ""), QUANTS[name]
         cache = self.work / f"qrt-cache-{name}-{build}"
         batch1 = self.job("qrt", label, 1, qrt_cache=cache, quant=quant, build=build)  # empty: a cold start
-        warm = self.job("qrt-start", f"{label} (warm start)", 1, qrt_cache=cache, quant=quant, build=build)
+        start = self.job("qrt-start", f"{label} (warm start)", 1, qrt_cache=cache, quant=quant, build=build) \
+            if warm else None
         batched = self.job("qrt", label, self.args.batch, qrt_cache=cache, quant=quant, build=build)
-        return make_row("qrt", name, label, {1: batch1, self.args.batch: batched}, warm)
+        return make_row("qrt", name, label, {1: batch1, self.args.batch: batched}, start)
 
     def transformers(self, compiled: bool) -> dict:
         kind = "transformers-compile" if compiled else "transformers"
