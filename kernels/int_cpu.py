@@ -11,9 +11,9 @@ the canonical layout (int_reference.py) with the `pack_*` functions below:
   channel and no zero point. An asymmetric channel (zero point z != 128 in unsigned units) becomes
   (q - 128) * s - (z - 128) * s: the second term times sum(x) is subtracted after the matmul.
 
-Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the matmul call and
-fuses the gathers, corrections and bias around it; the int4 matmul itself sits behind an opaque op
-(`qrt::int4pack_mm_cpu`, see there why). Scales must have the activations' dtype (ATen
+Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the ATen call and
+fuses the gathers, corrections and bias around it (see passes/backend.py for how the int4 call is
+lowered in graphs without frozen weights). Scales must have the activations' dtype (ATen
 requires it), so they are rounded to the model dtype once, at load time.
 """
 
@@ -64,28 +64,13 @@ def pack_int8_for_cpu(q, scales, zeros, dtype):
     return weight, s.to(dtype), zero_terms
 
 
-@torch.library.custom_op("qrt::int4pack_mm_cpu", mutates_args=())
-def int4pack_mm_cpu(x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_offsets: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] times the packed 4-bit weight [N, K / 2] -> [M, N], ATen's int4 CPU matmul.
-
-    Its own opaque op rather than the ATen call inside the composite below: Inductor lowers that
-    call with the group size as a graph constant, and inside a nested compile region (torch 2.13)
-    the kernel is handed another tensor in its place ("group size must be a scalar")."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_offsets)
-
-
-@int4pack_mm_cpu.register_fake
-def _(x, packed, group_size, scale_offsets):
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
 def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):
     """x: [..., K] in scale_offsets' dtype; packed: uint8 [N, K / 2]. Returns [..., N]."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
     if perm is not None:
         x2 = x2.index_select(1, perm)
-    out = torch.ops.qrt.int4pack_mm_cpu(x2, packed, group_size, scale_offsets)  # [M, N]
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scale_offsets)  # [M, N]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

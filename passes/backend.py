@@ -1,6 +1,8 @@
 """qrt's torch.compile backend: Dynamo graph -> qrt passes -> Inductor."""
 
+import contextlib
 import hashlib
+import unittest.mock
 import warnings
 from dataclasses import dataclass, field
 from functools import cache
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch._inductor import config as inductor_config
+from torch._inductor import lowering
 from torch._inductor.compile_fx import compile_fx
 
 from .manager import GraphReport, passes_for, run_passes
@@ -30,6 +33,7 @@ class QrtBackend:
         self.inductor = inductor
         # Freezing turns weights into constants, which lets Inductor prepack them for oneDNN on
         # the CPU: decode of the default model went from 1.56 s to 31 ms per token with it.
+        self.freeze = freeze
         self.config_patches = {"freezing": True} if freeze else {}
         if autotune:
             # Inductor times its C++ GEMM templates against ATen for each matmul shape and keeps
@@ -51,11 +55,23 @@ class QrtBackend:
         # config_patches: the oneDNN weight-prepacking passes read the global config, and with
         # config_patches alone decode ran 25% slower (no prepacked linears).
         with inductor_config.patch(self.config_patches), torch.compiler.config.patch(cache_key_tag=source_tag()), \
-                warnings.catch_warnings():
+                _int4_matmul_as_aten_call(not self.freeze), warnings.catch_warnings():
             # Inductor's autotuner calls the deprecated Tensor.storage() once per GEMM it times;
             # the warning is about torch's own code, and a user can do nothing about it.
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
             return compile_fx(gm, example_inputs)
+
+
+def _int4_matmul_as_aten_call(enabled: bool):
+    """Inductor lowers ATen's int4 CPU matmul with its group size as a tensor constant, which
+    only pays off when frozen weights let it autotune a C++ template. In a graph with nested
+    compile regions (torch 2.13) the kernel is then handed another tensor in that constant's place
+    ("group size must be a scalar"). Without frozen weights there is no template to gain, so the
+    call stays a plain ATen call from the wrapper: a fallback, for this compile only."""
+    if not enabled:
+        return contextlib.nullcontext()
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    return unittest.mock.patch.dict(lowering.lowerings, {op: lowering.fallback_handler(op, add_to_fallback_set=False)})
 
 
 @cache
