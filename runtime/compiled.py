@@ -1,5 +1,6 @@
 """`compile_model` and the CompiledModel it returns: forward and generate over compiled graphs."""
 
+import contextlib
 import itertools
 import os
 import sys
@@ -303,8 +304,9 @@ class CompiledModel:
             guess = last_cold_compile_seconds(str(self.device)) or _FIRST_COMPILE_GUESS_S
             self._say(f"qrt: compiling (first run for this model, about {guess:.0f} s)")
         started = time.perf_counter()
-        # A fresh record of cache artifacts, so that the entry holds this model's graphs only.
-        with CacheArtifactManager.with_fresh_cache():
+        # A fresh record of cache artifacts, so that the entry holds this model's graphs only
+        # (torch versions without it record the whole process's, which is safe, only larger).
+        with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
             for role, length in (("prefill", 2), ("decode", 1)):
                 role_started = time.perf_counter()
                 if entry is None:
