@@ -54,7 +54,7 @@ def use_qrt_inductor_dir() -> Path:
     """Keep Inductor's on-disk caches (generated code, compiled C++ kernels) in qrt's cache folder
     unless the user chose a folder with TORCHINDUCTOR_CACHE_DIR. An entry's artifacts let torch skip
     tracing and code generation; the compiled kernels themselves live there, and without them a
-    warm start compiles every C++ kernel again (about 12 s of the default model's 13 s)."""
+    warm start compiles every C++ kernel again, most of its time."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     global _set_by_qrt
