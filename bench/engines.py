@@ -72,8 +72,8 @@ def load_qrt(job: dict):
                           load_config=LoadConfig(load_format=job.get("load_format", "auto"), progress=False))
     load_s = time.perf_counter() - started
     causal_lm = model.model
-    return model, {"load_s": load_s, "started": started,
-                   "weight_bytes_per_token": weight_bytes_per_token(causal_lm, causal_lm.model.embed_tokens.weight)}
+    return model, started, {"load_s": load_s, "weight_bytes_per_token": weight_bytes_per_token(
+        causal_lm, causal_lm.model.embed_tokens.weight)}
 
 
 def warm_up(model, job: dict, started: float) -> dict:
@@ -86,14 +86,13 @@ def warm_up(model, job: dict, started: float) -> dict:
 
 
 def qrt_start(job: dict) -> dict:
-    model, figures = load_qrt(job)
-    return {**figures, **warm_up(model, job, figures.pop("started"))}
+    model, started, figures = load_qrt(job)
+    return {**figures, **warm_up(model, job, started)}
 
 
 def qrt(job: dict) -> dict:
     engine, prompts = job["label"], job["prompts"]
-    model, figures = load_qrt(job)
-    started = figures.pop("started")
+    model, started, figures = load_qrt(job)
     if len(prompts) == 1:
         figures.update(warm_up(model, job, started))
 

@@ -26,6 +26,11 @@ def pack_factor(bits: int) -> int:
     return 32 // bits
 
 
+# Columns packed or unpacked at a time: the int64 temporaries of a whole lm_head (49152 columns)
+# came to several hundred MiB, the peak of loading an int4 model.
+_COLUMNS_PER_CHUNK = 4096
+
+
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned `bits`-wide values along dim 0, LSB-first, into int32 words.
 
@@ -55,11 +60,6 @@ def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
         fields = (words[:, None, :] >> shifts) & ((1 << bits) - 1)  # [R / pf, pf, c]
         out[:, start : start + words.shape[1]] = fields.reshape(-1, words.shape[1])[:rows]
     return out
-
-
-# Columns packed or unpacked at a time: the int64 temporaries of a whole lm_head (49152 columns)
-# came to several hundred MiB, the peak of loading an int4 model.
-_COLUMNS_PER_CHUNK = 4096
 
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:

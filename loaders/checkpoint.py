@@ -7,11 +7,12 @@ import torch
 
 from .config import LoadConfig, read_hf_config
 from .errors import CheckpointError
-from .safetensors_files import checkpoint_files, count_tensors, iter_tensors
+from .quant import MODELOPT_SIDE_FILE, QUANT_SIDE_FILES
+from .safetensors_files import INDEX_NAME, checkpoint_files, count_tensors, iter_tensors
 from .tokenizer import load_tokenizer
 
 # Files beside config.json that can change how a checkpoint loads (quantization side files).
-SIDE_FILES = ("hf_quant_config.json", "quantize_config.json", "quant_config.json", "model.safetensors.index.json")
+SIDE_FILES = (MODELOPT_SIDE_FILE, *QUANT_SIDE_FILES, INDEX_NAME)
 
 
 class SafetensorsCheckpoint:

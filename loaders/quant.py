@@ -39,6 +39,7 @@ ONLINE_METHODS = {
 INT8_LM_HEAD = ("int4", "int4-g128", "int8")
 # Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json.
 QUANT_SIDE_FILES = ("quantize_config.json", "quant_config.json")
+MODELOPT_SIDE_FILE = "hf_quant_config.json"
 
 
 class QuantScheme:
@@ -131,7 +132,7 @@ def _read_quant_config(config: dict, method: str, source) -> QuantScheme:
 
 
 def _side_file_scheme(folder: Path) -> QuantScheme | None:
-    modelopt = folder / "hf_quant_config.json"
+    modelopt = folder / MODELOPT_SIDE_FILE
     if modelopt.is_file():
         return _modelopt_side_file(modelopt)
     for name in QUANT_SIDE_FILES:

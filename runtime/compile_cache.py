@@ -126,19 +126,28 @@ class Entry:
     size: int
 
 
-def _read(path: Path) -> tuple[dict, bytes]:
-    """(metadata, payload) of an entry file, or CorruptEntry saying what is wrong with it."""
-    data = path.read_bytes()
-    if not data.startswith(MAGIC):
+def _read_meta(handle) -> dict:
+    """The metadata line of an open entry file (left positioned at the payload), or CorruptEntry."""
+    if handle.read(len(MAGIC)) != MAGIC:
         raise CorruptEntry("not a qrt compile-cache file")
-    head, newline, payload = data[len(MAGIC):].partition(b"\n")
-    if not newline:
+    head = handle.readline()
+    if not head.endswith(b"\n"):
         raise CorruptEntry("truncated metadata")
     try:
         meta = json.loads(head)
-        size, digest = meta["payload_bytes"], meta["payload_sha256"]
-    except (ValueError, KeyError, TypeError):
-        raise CorruptEntry("unreadable metadata") from None
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or not {"payload_bytes", "payload_sha256"} <= meta.keys():
+        raise CorruptEntry("unreadable metadata")
+    return meta
+
+
+def _read(path: Path) -> tuple[dict, bytes]:
+    """(metadata, payload) of an entry file, or CorruptEntry saying what is wrong with it."""
+    with open(path, "rb") as handle:
+        meta = _read_meta(handle)
+        payload = handle.read()
+    size, digest = meta["payload_bytes"], meta["payload_sha256"]
     if len(payload) != size:
         raise CorruptEntry(f"payload is {len(payload)} bytes, expected {size} (truncated)")
     if hashlib.sha256(payload).hexdigest() != digest:
@@ -219,8 +228,14 @@ def clear_entries() -> tuple[int, int]:
 
 def last_cold_compile_seconds(device: str, directory: Path | None = None) -> float | None:
     """How long the newest cold compile on this device took (recorded in its entry), for the
-    progress line's estimate."""
-    for entry in list_entries(directory):
-        if isinstance(entry, Entry) and entry.meta.get("device") == device and entry.meta.get("compile_seconds"):
-            return float(entry.meta["compile_seconds"])
+    progress line's estimate. Reads only the entries' metadata lines, not their payloads."""
+    directory = directory or compiled_dir()
+    for path in sorted(directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            with open(path, "rb") as handle:
+                meta = _read_meta(handle)
+        except (CorruptEntry, OSError):
+            continue
+        if meta.get("device") == device and meta.get("compile_seconds"):
+            return float(meta["compile_seconds"])
     return None
