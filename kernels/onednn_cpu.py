@@ -9,8 +9,9 @@ weight's shape and dtype, and the packed tensor sits in a side table keyed by th
 storage. The graph, its fake tensors and its cache entries see only the carrier; the opaque op
 looks the packed weight up when it runs.
 
-At M = 1 a prepacked oneDNN GEMM is about twice as fast as `F.linear` on the same bf16 weight,
-which repacks it on every call (`bench/startup.py` measures the whole decode).
+At M = 1 a decode step's GEMMs on prepacked weights take about two thirds of the time of `F.linear`
+on the same bf16 weights, which reorders them on every call (`bench/cpu_bf16_gemm_options.py`;
+`bench/startup.py` measures the whole decode).
 
 Kernels whose GEMM goes through `dense_linear` take either form of weight, and say so in
 `PREPACKABLE_KERNELS`; the loader pass prepacks only the weights of those.
