@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) -m runtime generate --quant fp8 --prompt "What is the capital of France? Answer in one sentence."
+	$(PY) -m qrt generate --quant fp8 --prompt "What is the capital of France? Answer in one sentence."
 
 test: setup
 	$(PY) -m pytest
@@ -52,7 +52,7 @@ llama-cpp: setup
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install -q llama-cpp-python==0.3.36
 
 dump: setup
-	$(PY) -m runtime dump --quant fp8 --out dump
+	$(PY) -m qrt dump --quant fp8 --out dump
 
 clean:
 	rm -rf $(VENV) dump bench/results

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-import runtime  # noqa: E402
-from loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt import runtime  # noqa: E402
+from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper.",

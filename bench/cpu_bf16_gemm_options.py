@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.onednn_cpu import prepack_weight  # noqa: E402
+from qrt.kernels.onednn_cpu import prepack_weight  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
-from kernels.fp8_reference import quantize_rows_fp8  # noqa: E402
+import qrt.kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
+from qrt.kernels.fp8_reference import quantize_rows_fp8  # noqa: E402
 
 SHAPES = ((1536, 576), (576, 1536), (2048, 2048))  # [N, K]: SmolLM2 MLP up/down, a 1B-class square
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
-from kernels.int8_reference import int8_linear_reference, quantize_rows_int8  # noqa: E402
+import qrt.kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
+from qrt.kernels.int8_reference import int8_linear_reference, quantize_rows_int8  # noqa: E402
 
 SHAPES = ((1536, 576), (576, 1536), (2048, 2048))  # [N, K]: SmolLM2 MLP up/down, a 1B-class square
 ROWS = (1, 32)  # M: a decode step, a short prompt

@@ -48,9 +48,9 @@ import torch  # noqa: E402
 from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_state, name_list,  # noqa: E402
                            positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_runs,
                            wall_time)
-from loaders.config import read_hf_config  # noqa: E402
+from qrt.loaders.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
-from loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
 
 HF = "transformers eager bf16"
 
@@ -79,7 +79,7 @@ def named_path(text: str) -> tuple[str, Path]:
 
 
 def bench_qrt(path: Path, quant: str | None, engine: str, ids: list[int], args) -> dict:
-    from runtime import compile_model
+    from qrt.runtime import compile_model
 
     log(f"{engine}: loading")
     started = time.perf_counter()
@@ -176,7 +176,7 @@ def main() -> None:
     state = machine_state()  # before loading anything: the load average of the machine as found
     print_machine_state(state)
     if args.path is None:
-        from runtime.default_model import default_model_path
+        from qrt.runtime.default_model import default_model_path
 
         path = default_model_path()
     else:

@@ -61,8 +61,8 @@ def load_qrt(job: dict):
     import torch
 
     from bench.roofline import weight_bytes_per_token
-    from loaders.config import LoadConfig
-    from runtime import compile_model
+    from qrt.loaders.config import LoadConfig
+    from qrt.runtime import compile_model
 
     torch.set_num_threads(job["threads"])
     log(f"{job['label']}: loading")

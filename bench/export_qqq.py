@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from loaders.qqq import channel_scale_permutation, group_scale_permutation, weight_permutation  # noqa: E402
-from loaders.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
+from qrt.loaders.qqq import channel_scale_permutation, group_scale_permutation, weight_permutation  # noqa: E402
+from qrt.loaders.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, choices=(-1, 128), default=-1)
     args = parser.parse_args()
     if args.src is None:
-        from runtime.default_model import default_model_path
+        from qrt.runtime.default_model import default_model_path
         args.src = default_model_path(progress=True)
     export(args.src, args.dst, args.group_size)
     print(f"wrote {args.dst}")

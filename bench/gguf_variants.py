@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from runtime.default_model import DEFAULT_MODEL_NAME, _cache_root, _gguf_path  # noqa: E402
+from qrt.runtime.default_model import DEFAULT_MODEL_NAME, _cache_root, _gguf_path  # noqa: E402
 
 DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
 

@@ -58,21 +58,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels.fp8_block_triton  # noqa: E402,F401  (registers the Triton ops)
-import kernels.fp8_static_triton  # noqa: E402,F401
-import kernels.int8_fused_triton  # noqa: E402,F401
-import kernels.int8_triton  # noqa: E402,F401
-import kernels.int_triton  # noqa: E402,F401
-import kernels.w4a8_triton  # noqa: E402,F401
+import qrt.kernels.fp8_block_triton  # noqa: E402,F401  (registers the Triton ops)
+import qrt.kernels.fp8_static_triton  # noqa: E402,F401
+import qrt.kernels.int8_fused_triton  # noqa: E402,F401
+import qrt.kernels.int8_triton  # noqa: E402,F401
+import qrt.kernels.int_triton  # noqa: E402,F401
+import qrt.kernels.w4a8_triton  # noqa: E402,F401
 from bench.measure import check_length, name_list, prompt_ids, speeds, timed_runs  # noqa: E402
 from bench.random_llama import LLAMA_1B, random_llama_path  # noqa: E402
 from bench.roofline import weight_bytes_per_token  # noqa: E402
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
-from kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
-from kernels.int8_fused_reference import rms_norm  # noqa: E402
-from kernels.int8_reference import quantize_rows_int8  # noqa: E402
-from kernels.int_reference import pack_rows  # noqa: E402
-from runtime import compile_model  # noqa: E402
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
+from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
+from qrt.kernels.int8_fused_reference import rms_norm  # noqa: E402
+from qrt.kernels.int8_reference import quantize_rows_int8  # noqa: E402
+from qrt.kernels.int_reference import pack_rows  # noqa: E402
+from qrt.runtime import compile_model  # noqa: E402
 
 SECTIONS = ("fp8", "int", "int8", "decode")
 ROWS = (1, 16, 256, 4096)

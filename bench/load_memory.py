@@ -16,7 +16,7 @@ from pathlib import Path
 
 PROBE = textwrap.dedent("""
     import json, sys
-    import runtime
+    from qrt import runtime
 
     def status(key):
         for line in open("/proc/self/status"):

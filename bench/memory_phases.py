@@ -36,7 +36,7 @@ _STATUS = textwrap.dedent("""
 """)
 
 QRT_PROBE = _STATUS + textwrap.dedent("""
-    import runtime
+    from qrt import runtime
     phase("import qrt (transformers, Inductor, Triton)")
     path, quant, new_tokens = (None if sys.argv[1] == "-" else sys.argv[1]), sys.argv[2] or None, int(sys.argv[3])
     model = runtime.compile_model(path, quant=quant, warmup=False, progress=False, max_seq_len=32 + new_tokens + 1)
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=128)
     args = parser.parse_args()
     from bench.suite import isolated_qrt_cache
-    from runtime.default_model import default_model_path
+    from qrt.runtime.default_model import default_model_path
 
     path = args.path or default_model_path()
     with tempfile.TemporaryDirectory(prefix="qrt-memory-") as work:

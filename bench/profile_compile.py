@@ -89,7 +89,7 @@ def child(args) -> None:
     freezes = timed_freeze()
     from torch._dynamo.utils import compilation_time_metrics
 
-    from runtime import compile_model
+    from qrt.runtime import compile_model
 
     started = time.perf_counter()
     model = compile_model(args.path, QUANTS[args.quant], warmup=False, progress=False)

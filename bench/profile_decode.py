@@ -99,7 +99,7 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qrt-profile-inductor-"))
     state = machine_state()
     print_machine_state(state)
-    from runtime import compile_model
+    from qrt.runtime import compile_model
 
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         log(f"compiling ({args.quant})")

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from loaders.quant import ONLINE_METHODS  # noqa: E402
-from runtime.evaluate import DEFAULT_TEXT, DEFAULT_WINDOW, check_window, perplexity_of_text, read_text  # noqa: E402
+from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.runtime.evaluate import DEFAULT_TEXT, DEFAULT_WINDOW, check_window, perplexity_of_text, read_text  # noqa: E402
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -64,7 +64,7 @@ def parse_quants(text: str) -> list[str]:
 
 
 def evaluate(path, quant: str, text: str, args) -> dict:
-    from runtime import compile_model
+    from qrt.runtime import compile_model
 
     label = DTYPE_NAMES[args.dtype] if quant == "none" else quant
     print(f"{label}: loading and scoring …", file=sys.stderr, flush=True)

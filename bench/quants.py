@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
 
 # "bf16": the checkpoint's weights as stored (the default model's are bf16); the rest are quantized
 # online while loading.

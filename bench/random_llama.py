@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+from qrt.runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
 
 LLAMA_1B = dict(
     hidden_size=2048,

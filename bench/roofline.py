@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from bench.measure import wall_time  # noqa: E402
-from runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+from qrt.runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
 
 BANDWIDTH_BYTES = 2**30
 BANDWIDTH_RUNS = 7

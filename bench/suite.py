@@ -54,9 +54,9 @@ from bench.gguf_variants import default_model_ggufs  # noqa: E402
 from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,  # noqa: E402
                            print_machine_state, print_table, prompt_ids)
 from bench.roofline import cache_file, cached_bandwidth, gguf_weight_bytes_per_token, roofline_tok_s  # noqa: E402
-from loaders.config import read_hf_config  # noqa: E402
+from qrt.loaders.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
-from loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
 
 ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
@@ -94,7 +94,7 @@ def resolve_model(name: str):
     """(checkpoint folder, display name, a function giving GGUF files of the same model for llama.cpp,
     or None where there are none)."""
     if name == "default":
-        from runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from qrt.runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
 
         return default_model_path(), DEFAULT_MODEL_NAME, default_model_ggufs
     if name == "1b":
@@ -168,7 +168,7 @@ class Runner:
 def isolated_qrt_cache(folder: Path) -> dict:
     """Environment for a qrt job whose compile cache is `folder` (made here, empty at first), with
     the user's converted models and bench checkpoints linked in rather than converted again."""
-    from runtime.compile_cache import cache_root
+    from qrt.runtime.compile_cache import cache_root
 
     folder.mkdir(parents=True, exist_ok=True)
     for shared in ("models", "bench"):

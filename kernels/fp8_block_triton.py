@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from kernels.fp8_triton import _check_launchable, _gemm_config, _round_to_e4m3_grid, grouped_tile
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from qrt.kernels.fp8_triton import _check_launchable, _gemm_config, _round_to_e4m3_grid, grouped_tile
 
 # One quantization program covers this many elements (whole groups of one row): the same 16-byte
 # loads per lane as fp8_triton's row quantizer, 8 groups of 128 per program.

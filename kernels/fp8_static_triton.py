@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX
-from kernels.fp8_triton import _check_launchable, _round_to_e4m3_grid, fp8_gemm_triton
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
+from qrt.kernels.fp8_triton import _check_launchable, _round_to_e4m3_grid, fp8_gemm_triton
 
 # Elements per program: 4 warps × 32 lanes × 8 bf16, one 16-byte load per lane.
 _QUANT_BLOCK_K = 1024

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 # One program streams a row in chunks of at most this many elements: 4 warps × 32 lanes × 8
 # bf16 = 1024, one 16-byte load per lane, and a register footprint independent of K.

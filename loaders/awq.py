@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from kernels.int_reference import pack_factor, unpack_rows
+from qrt.kernels.int_reference import pack_factor, unpack_rows
 
 from .errors import ConfigError, UnsupportedError
 from .int_weights import IntWeights, apply_int_layout, copy_ints, install_int_weights, remove_parameters, scaled_shards

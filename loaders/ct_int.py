@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from kernels.int_reference import pack_factor, unpack_rows
+from qrt.kernels.int_reference import pack_factor, unpack_rows
 
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,

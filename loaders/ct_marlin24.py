@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.int_reference import unpack_rows
+from qrt.kernels.int_reference import unpack_rows
 
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights, remove_parameters,

@@ -19,8 +19,8 @@ from functools import partial
 
 import torch
 
-import kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
 
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import copy_ints

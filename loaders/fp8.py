@@ -16,8 +16,8 @@ from functools import partial
 
 import torch
 
-import kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
 from .errors import TensorMismatch
 from .parameters import make_parameter, replace_parameter

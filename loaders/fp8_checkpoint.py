@@ -15,8 +15,8 @@ from functools import partial
 
 import torch
 
-from kernels.fp8_block import dequantize_block_fp8
-from kernels.fp8_reference import FP8_DTYPE
+from qrt.kernels.fp8_block import dequantize_block_fp8
+from qrt.kernels.fp8_reference import FP8_DTYPE
 
 from .errors import TensorMismatch, UnsupportedError
 from .parameters import make_parameter, replace_parameter

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
+from qrt.kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
 
 from .errors import ConfigError, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from kernels.int_reference import pack_factor, pack_rows, unpack_rows
+from qrt.kernels.int_reference import pack_factor, pack_rows, unpack_rows
 
 from .errors import TensorMismatch
 from .int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters

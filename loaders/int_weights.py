@@ -23,10 +23,10 @@ from functools import partial
 
 import torch
 
-import kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
-from kernels.int_reference import pack_rows
-from kernels.onednn_cpu import dense_linear
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
+from qrt.kernels.int_reference import pack_rows
+from qrt.kernels.onednn_cpu import dense_linear
 
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .parameters import make_parameter

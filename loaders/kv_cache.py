@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
 
 from .errors import TensorMismatch
 from .parameters import make_parameter

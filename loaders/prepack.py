@@ -6,7 +6,7 @@ in Inductor); eager models keep their dense weights so that eager mode stays the
 
 from torch import nn
 
-from kernels.onednn_cpu import PREPACKABLE_KERNELS, onednn_prepack_supported, prepack_weight
+from qrt.kernels.onednn_cpu import PREPACKABLE_KERNELS, onednn_prepack_supported, prepack_weight
 
 from .parameters import replace_parameter
 

@@ -36,10 +36,10 @@ from functools import partial
 
 import torch
 
-import kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from kernels.int8_reference import INT8_MAX, INT8_MIN
-from kernels.int_reference import pack_rows, unpack_rows
-from kernels.w4a8_reference import w4a8_int8_weights
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN
+from qrt.kernels.int_reference import pack_rows, unpack_rows
+from qrt.kernels.w4a8_reference import w4a8_int8_weights
 
 from .ct_w8a8 import annotate_int8_layout, check_scale
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError

@@ -4,7 +4,7 @@ from functools import partial
 
 import torch
 
-from kernels.onednn_cpu import dense_linear
+from qrt.kernels.onednn_cpu import dense_linear
 
 from .parameters import make_parameter
 from .shards import copy_rows

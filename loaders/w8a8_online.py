@@ -10,8 +10,8 @@ from functools import partial
 
 import torch
 
-import kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from kernels.int8_reference import MIN_SCALE
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.int8_reference import MIN_SCALE
 
 from .ct_w8a8 import annotate_int8_layout
 from .errors import TensorMismatch

@@ -1,7 +1,7 @@
 """qrt: a torch.compile-first runtime for quantized LLM checkpoints."""
 
-from loaders.config import DeviceConfig, LoadConfig
-from loaders.errors import CheckpointError, ConfigError, QrtError, UnsupportedError
+from qrt.loaders.config import DeviceConfig, LoadConfig
+from qrt.loaders.errors import CheckpointError, ConfigError, QrtError, UnsupportedError
 
 from .compiled import CompiledModel, compile_model
 from .registry import ModelRegistry

@@ -1,4 +1,4 @@
-"""`python -m runtime` / `qrt`: generate, eval, inspect, dump, cache."""
+"""`python -m qrt` / `qrt`: generate, eval, inspect, dump, cache."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from loaders.errors import QrtError
+from qrt.loaders.errors import QrtError
 
 from .compiled import BUILDS
 from .evaluate import DEFAULT_WINDOW
@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _compile(args, path=None, **kwargs):
-    import runtime
+    from qrt import runtime
 
     return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype,
                                  build=args.build, autotune=False if args.no_autotune else None,
@@ -148,10 +148,10 @@ def _eval(args) -> int:
 
 
 def _inspect(args) -> int:
-    from loaders.checkpoint import SafetensorsCheckpoint, open_checkpoint
-    from loaders.config import LoadConfig
-    from loaders.quant import resolve_scheme
-    from loaders.safetensors_files import checkpoint_files
+    from qrt.loaders.checkpoint import SafetensorsCheckpoint, open_checkpoint
+    from qrt.loaders.config import LoadConfig
+    from qrt.loaders.quant import resolve_scheme
+    from qrt.loaders.safetensors_files import checkpoint_files
 
     from .registry import ModelRegistry
 
@@ -177,7 +177,7 @@ def _inspect(args) -> int:
 
 
 def _print_tensors(files, limit: int) -> None:
-    from loaders.safetensors_files import read_header
+    from qrt.loaders.safetensors_files import read_header
 
     total = 0
     print(f"weight files:  {', '.join(f.name for f in files)}")
@@ -200,7 +200,7 @@ def _resolve_path(path):
 
 
 def _dump(args) -> int:
-    from passes.dump import write_dump
+    from qrt.passes.dump import write_dump
 
     model = _compile(args, warmup=False)
     ids = torch.randint(0, model.vocab_size, (1, 8))

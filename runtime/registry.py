@@ -1,6 +1,6 @@
 """Hugging Face `architectures` name -> qrt model class."""
 
-from loaders.errors import ConfigError, UnsupportedError
+from qrt.loaders.errors import ConfigError, UnsupportedError
 
 from .models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from .models.llama import LlamaForCausalLM

@@ -26,7 +26,7 @@ os.environ.setdefault("QRT_AUTOTUNE", "0")
 
 import pytest
 
-import runtime
+from qrt import runtime
 from tiny_checkpoints import make_checkpoint
 
 

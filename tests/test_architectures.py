@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime
+from qrt import runtime
 from arch_checkpoints import ARCHS, make_arch_checkpoint
 from tiny_checkpoints import make_checkpoint, relative_l2
 
@@ -241,7 +241,7 @@ def test_older_config_layouts_read_as_transformers_reads_them(name):
 
 
 def test_inspect_of_an_unknown_architecture_names_every_supported_one(tmp_path, capsys):
-    from runtime.cli import main
+    from qrt.runtime.cli import main
 
     make_arch_checkpoint(tmp_path, "mistral")
     config = json.loads((tmp_path / "config.json").read_text())

@@ -1,6 +1,6 @@
 """The command line: inspect, dump and generate on a tiny checkpoint."""
 
-from runtime.cli import main
+from qrt.runtime.cli import main
 
 
 def test_inspect_shows_format_layers_and_tensors(llama_dir, capsys):

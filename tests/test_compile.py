@@ -58,8 +58,8 @@ def test_dynamo_explain_finds_no_graph_breaks(llama_dir, compiled, role):
 
 
 def test_regional_build_prepacks_dense_weights_and_matches_the_frozen_build(llama_dir):
-    import runtime
-    from kernels.onednn_cpu import is_prepacked
+    from qrt import runtime
+    from qrt.kernels.onednn_cpu import is_prepacked
 
     bf16 = runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128)
     linears = [m for m in bf16.model.modules() if hasattr(m, "quant_method")]
@@ -78,7 +78,7 @@ def test_regional_build_prepacks_dense_weights_and_matches_the_frozen_build(llam
 
 
 def test_frozen_build_autotuned_decode_gives_the_same_tokens_in_one_graph(llama_dir):
-    import runtime
+    from qrt import runtime
 
     eager = runtime.compile_model(llama_dir, compile=False, progress=False, max_seq_len=128)
     autotuned = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, build="frozen", autotune=True)

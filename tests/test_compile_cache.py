@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-import runtime
-from runtime import cli
-from runtime.compile_cache import MAGIC, CompileCache, checkpoint_identity, entry_key, list_entries
+from qrt import runtime
+from qrt.runtime import cli
+from qrt.runtime.compile_cache import MAGIC, CompileCache, checkpoint_identity, entry_key, list_entries
 from tiny_checkpoints import edited_copy
 
 PROMPT = [5, 9, 2, 7, 11]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from runtime import default_model
+from qrt.runtime import default_model
 
 # The package can't be imported without its own dependencies (`llm`, `llama_cpp`), which
 # qrt doesn't install, so test for it the way default_model finds it.

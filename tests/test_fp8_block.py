@@ -17,15 +17,15 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-import kernels  # noqa: E402, F401  (registers the ops)
-from kernels.fp8_block import (  # noqa: E402
+import qrt.kernels  # noqa: E402, F401  (registers the ops)
+from qrt.kernels.fp8_block import (  # noqa: E402
     dequantize_block_fp8,
     dequantize_groups_fp8,
     fp8_block_linear_cpu,
     quantize_groups_fp8,
 )
-from kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton  # noqa: E402
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
+from qrt.kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton  # noqa: E402
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
 from test_fp8_triton import BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, _assert_within, _bias  # noqa: E402
 
 # Block shapes (block_n, block_k) for the interpreter: small enough to keep it fast and to give

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import runtime
+from qrt import runtime
 from fp8_checkpoints import FAMILIES, make_fp8_checkpoint
-from loaders.errors import CheckpointError, UnsupportedError
+from qrt.loaders.errors import CheckpointError, UnsupportedError
 from tiny_checkpoints import relative_l2
 
 EXPECTED = {  # family -> (words inspect/describe must show, logical op, CPU kernel op)

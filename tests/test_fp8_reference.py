@@ -3,9 +3,9 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels  # noqa: F401
-from kernels.fp8_cpu import fp8_linear_cpu
-from kernels.fp8_reference import FP8_MAX, MIN_SCALE, fp8_linear_reference, quantize_rows_fp8
+import qrt.kernels  # noqa: F401
+from qrt.kernels.fp8_cpu import fp8_linear_cpu
+from qrt.kernels.fp8_reference import FP8_MAX, MIN_SCALE, fp8_linear_reference, quantize_rows_fp8
 
 
 def test_quantize_rows_uses_the_full_range_and_bounds_the_error():

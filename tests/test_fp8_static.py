@@ -16,10 +16,10 @@ import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-import kernels  # noqa: E402, F401  (registers the ops)
-from kernels.fp8_reference import FP8_DTYPE, FP8_MAX  # noqa: E402
-from kernels.fp8_static import fp8_static_linear_cpu, quantize_static_fp8  # noqa: E402
-from kernels.fp8_static_triton import quantize_static_fp8_triton  # noqa: E402
+import qrt.kernels  # noqa: E402, F401  (registers the ops)
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX  # noqa: E402
+from qrt.kernels.fp8_static import fp8_static_linear_cpu, quantize_static_fp8  # noqa: E402
+from qrt.kernels.fp8_static_triton import quantize_static_fp8_triton  # noqa: E402
 from test_fp8_triton import (  # noqa: E402
     BF16_RTOL,
     DEVICE,

@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8  # noqa: E402
-from kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
+from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8  # noqa: E402
+from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative error allowed on fp32 sums, measured against sum(|terms|) so cancellation is covered:

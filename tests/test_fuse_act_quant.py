@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
-import kernels.int8_triton  # noqa: F401
-import kernels.w4a8_triton  # noqa: F401
-import runtime
-from kernels.int8_reference import weight_row_sums
-from kernels.int_reference import pack_rows
-from passes.base import count_ops, graph_modules
-from passes.fuse_act_quant import FuseActivationQuant
-from passes.manager import passes_for
-from runtime.models.layers import RMSNorm
+import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
+import qrt.kernels.int8_triton  # noqa: F401
+import qrt.kernels.w4a8_triton  # noqa: F401
+from qrt import runtime
+from qrt.kernels.int8_reference import weight_row_sums
+from qrt.kernels.int_reference import pack_rows
+from qrt.passes.base import count_ops, graph_modules
+from qrt.passes.fuse_act_quant import FuseActivationQuant
+from qrt.passes.manager import passes_for
+from qrt.runtime.models.layers import RMSNorm
 from tiny_checkpoints import relative_l2
 from w8a8_checkpoints import make_ct_w8a8_checkpoint
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime.sampling import SamplingParams, sample
+from qrt.runtime.sampling import SamplingParams, sample
 
 
 def test_top_k_only_samples_the_k_best():
@@ -77,7 +77,7 @@ def test_sampled_generation_is_reproducible_with_a_seed(llama_dir, compiled):
 def test_broken_tokenizer_files_leave_token_ids_working(llama_dir, tmp_path):
     import shutil
 
-    import runtime
+    from qrt import runtime
 
     folder = tmp_path / "ckpt"
     shutil.copytree(llama_dir, folder)
@@ -90,7 +90,7 @@ def test_broken_tokenizer_files_leave_token_ids_working(llama_dir, tmp_path):
 
 
 def test_batched_generation_continues_each_prompt_as_alone(llama_dir, compiled):
-    import runtime
+    from qrt import runtime
 
     single = compiled(llama_dir)
     batched = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, max_batch_size=3)

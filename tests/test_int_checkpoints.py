@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-import runtime
+from qrt import runtime
 from int_checkpoints import ct_config, make_int_checkpoint
-from loaders.config import LoadConfig
-from loaders.errors import CheckpointError, UnsupportedError
-from loaders.int_online import quantize_int_rows
+from qrt.loaders.config import LoadConfig
+from qrt.loaders.errors import CheckpointError, UnsupportedError
+from qrt.loaders.int_online import quantize_int_rows
 from tiny_checkpoints import edited_copy, relative_l2
 
 

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from torch import nn
 
-import kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
+import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
-from kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
-from kernels.int_reference import int_linear_reference, unpack_rows
-from loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
+from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
+from qrt.kernels.int_reference import int_linear_reference, unpack_rows
+from qrt.loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
 from tiny_checkpoints import relative_l2
 
 

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from int_checkpoints import AWQ_ORDER, pack_fields, to_int32
-from kernels.int_reference import pack_rows, unpack_rows
-from loaders.awq import unpack_awq
-from loaders.ct_int import _load_zero_point
-from loaders.gptq import gptq_zero_points
-from loaders.shards import ShardLayout
+from qrt.kernels.int_reference import pack_rows, unpack_rows
+from qrt.loaders.awq import unpack_awq
+from qrt.loaders.ct_int import _load_zero_point
+from qrt.loaders.gptq import gptq_zero_points
+from qrt.loaders.shards import ShardLayout
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import runtime
-from loaders.errors import CheckpointError, ConfigError, UnsupportedError
+from qrt import runtime
+from qrt.loaders.errors import CheckpointError, ConfigError, UnsupportedError
 
 
 def load_eager(folder, quant=None, **kwargs):

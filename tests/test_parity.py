@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import runtime
+from qrt import runtime
 from tiny_checkpoints import relative_l2
 
 ARCHS = ["llama_dir", "qwen2_dir", "tied_llama_dir"]

@@ -2,10 +2,10 @@
 
 import torch
 
-import kernels  # noqa: F401
-from kernels.fp8_reference import quantize_rows_fp8
-from passes.backend import QrtBackend
-from passes.base import count_ops
+import qrt.kernels  # noqa: F401
+from qrt.kernels.fp8_reference import quantize_rows_fp8
+from qrt.passes.backend import QrtBackend
+from qrt.passes.base import count_ops
 
 
 class TwoLinears(torch.nn.Module):
@@ -56,7 +56,7 @@ def test_count_ops_names_custom_ops_by_namespace():
 
 
 def test_pass_uuid_is_stable_and_hex():
-    from passes.swap_linear import SwapQuantizedLinear
+    from qrt.passes.swap_linear import SwapQuantizedLinear
 
     a, b = SwapQuantizedLinear().uuid, SwapQuantizedLinear().uuid
     assert a == b and len(a) == 16 and int(a, 16) >= 0

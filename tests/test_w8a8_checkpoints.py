@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
-import runtime
-from kernels.w4a8_reference import w4a8_int8_weights
-from loaders.ct_w8a8 import merge_static_inputs
-from loaders.errors import CheckpointError, ConfigError, UnsupportedError
-from loaders.qqq import QqqLinearMethod, qqq_config
+import qrt.kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
+from qrt import runtime
+from qrt.kernels.w4a8_reference import w4a8_int8_weights
+from qrt.loaders.ct_w8a8 import merge_static_inputs
+from qrt.loaders.errors import CheckpointError, ConfigError, UnsupportedError
+from qrt.loaders.qqq import QqqLinearMethod, qqq_config
 from tiny_checkpoints import edited_copy, relative_l2
 from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
 

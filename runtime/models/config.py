@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from loaders.errors import ConfigError, UnsupportedError
+from qrt.loaders.errors import ConfigError, UnsupportedError
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

@@ -5,8 +5,8 @@ final norm and lm_head, the rotary tables and the masks. Families override class
 import torch
 from torch import nn
 
-from loaders.kv_cache import KV_SCALE_RENAMES
-from loaders.unquantized import UnquantizedLinearMethod
+from qrt.loaders.kv_cache import KV_SCALE_RENAMES
+from qrt.loaders.unquantized import UnquantizedLinearMethod
 
 from .config import ModelConfig
 from .layers import DecoderLayer, Embedding, Linear, RotaryEmbedding

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from loaders.errors import UnsupportedError
+from qrt.loaders.errors import UnsupportedError
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, Rope
 from .decoder import CausalLM

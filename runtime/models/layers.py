@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loaders.kv_cache import create_kv_scales, dequantize_kv, quantize_kv
-from loaders.parameters import make_parameter
-from loaders.shards import ShardLayout, copy_rows
+from qrt.loaders.kv_cache import create_kv_scales, dequantize_kv, quantize_kv
+from qrt.loaders.parameters import make_parameter
+from qrt.loaders.shards import ShardLayout, copy_rows
 
 from .config import SLIDING_ATTENTION, ModelConfig, Rope
 

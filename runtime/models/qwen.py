@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from loaders.errors import UnsupportedError
+from qrt.loaders.errors import UnsupportedError
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig
 from .decoder import CausalLM
