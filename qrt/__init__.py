@@ -1,15 +1,15 @@
 """qrt: a torch.compile-first runtime for quantized LLM checkpoints.
 
-Installed, qrt is this one top-level package with its four layers beneath it:
+One top-level package with four layers beneath it (docs/architecture.md draws the arrows):
 
-- `qrt.runtime`: the public API (`runtime.compile_model`), the models, the CLI;
+- `qrt.runtime`: the public API (`runtime.compile_model`), the models, the command line;
 - `qrt.loaders`: checkpoint reading, the format registry and each format's loader;
 - `qrt.kernels`: the `qrt::` torch ops (plain-torch references, CPU and Triton kernels);
 - `qrt.passes`: the FX passes and the torch.compile backend.
 
-In the repository the four layers are top-level folders; pyproject.toml maps each beneath `qrt`
-(setuptools `package-dir`). One top-level name keeps an install from shadowing other packages:
-Hugging Face's `kernels` package is imported by transformers itself.
+The layers are subpackages, not top-level packages of their own, because a top-level `kernels`
+shadows Hugging Face's `kernels` distribution, which transformers probes for on import; the same
+holds for a checkout whose root is on sys.path (`python -m qrt` run from it, or pytest).
 
     from qrt import runtime
     model = runtime.compile_model("path/to/checkpoint", quant="fp8")
