@@ -77,7 +77,7 @@ def _ids(seed=0):
 
 
 def _layouts(model) -> set:
-    return {m.quant_method.layout for m in model.modules() if hasattr(getattr(m, "quant_method", None), "layout")}
+    return {m.quant_method.layout for m in model.modules() if getattr(getattr(m, "quant_method", None), "layout", None)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -12,7 +12,7 @@ from qrt.kernels.int_reference import pack_rows, unpack_rows
 from qrt.loaders.awq import unpack_awq
 from qrt.loaders.ct_int import _load_zero_point
 from qrt.loaders.gptq import gptq_zero_points
-from qrt.loaders.shards import ShardLayout
+from qrt.loaders.linear import ShardLayout
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -14,8 +14,7 @@ from qrt.kernels.int_reference import pack_factor, unpack_rows
 
 from .errors import ConfigError, UnsupportedError
 from .int_weights import IntWeights, apply_int_layout, copy_ints, install_int_weights, remove_parameters, scaled_shards
-from .parameters import make_parameter
-from .shards import copy_rows
+from .linear import LinearMethod, copy_rows, make_parameter
 
 # Field i of a word holds output channel pf * j + ORDER[i]; reading channel p from field
 # REVERSE[p] undoes it. 4-bit: ORDER = [0, 2, 4, 6, 1, 3, 5, 7]; 8-bit: [0, 2, 1, 3] (its own inverse).
@@ -38,13 +37,8 @@ def unpack_awq(words: torch.Tensor, bits: int) -> torch.Tensor:
     return fields.reshape(rows, -1, pack_factor(bits))[:, :, list(_REVERSE_ORDER[bits])].reshape(rows, cols)
 
 
-class AwqLinearMethod:
+class AwqLinearMethod(LinearMethod):
     name = "awq"
-
-    def __init__(self, cfg: AwqConfig, module_names):
-        self.cfg = cfg
-        self.module_names = list(module_names)
-        self.layout = None  # chosen by the loader pass
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -69,10 +63,6 @@ class AwqLinearMethod:
             torch.empty(k // cfg.group_size, n, dtype=torch.float32),  # [K / G, N]; fp16 on disk, held exactly
             weight_loader=partial(copy_rows, layout=layer.shard_layout), output_dim=1, quant_format=self.name,
         )
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype),
-                                        weight_loader=partial(copy_rows, layout=layer.shard_layout),
-                                        output_dim=0, quant_format=self.name)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         cfg = self.cfg

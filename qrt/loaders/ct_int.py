@@ -22,8 +22,7 @@ from qrt.kernels.int_reference import pack_factor, unpack_rows
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
                           loaded_g_idx, remove_parameters, shard_slot)
-from .parameters import make_parameter
-from .shards import check_shape, copy_rows
+from .linear import LinearMethod, check_shape, copy_rows, make_parameter
 
 _CHECKPOINT_TENSORS = ("weight_packed", "weight_shape", "weight", "weight_scale", "weight_zero_point", "weight_g_idx")
 
@@ -65,13 +64,8 @@ def _load_zero_point(param, loaded, shard_id, *, layer, bits):
         raise TensorMismatch(f"dtype {loaded.dtype}, expected int32 (packed) or int8 zero points")
 
 
-class CtIntLinearMethod:
+class CtIntLinearMethod(LinearMethod):
     name = "ct-int"
-
-    def __init__(self, cfg: CtIntConfig, module_names):
-        self.cfg = cfg
-        self.module_names = list(module_names)
-        self.layout = None  # chosen by the loader pass
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -105,9 +99,6 @@ class CtIntLinearMethod:
                 weight_loader=partial(_load_zero_point, layer=layer, bits=cfg.bits), output_dim=0, **common,
             )
         layer.weight_g_idx = g_idx_parameter(layer, **common)
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
-                                        output_dim=0, **common)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         cfg, k = self.cfg, layer.input_size

@@ -30,9 +30,8 @@ from qrt.kernels.int_reference import unpack_rows
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights, remove_parameters,
                           shard_slot)
-from .parameters import make_parameter
+from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
 from .qqq import unpermute_columns
-from .shards import ShardLayout, copy_rows
 
 BITS = 4
 GROUP_SIZE = 128  # the only group size the producer writes
@@ -144,13 +143,8 @@ def _check_weight_shape(param, loaded, shard_id, *, layer):
     param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 
-class CtMarlin24LinearMethod:
+class CtMarlin24LinearMethod(LinearMethod):
     name = "ct-marlin-24"
-
-    def __init__(self, cfg: CtMarlin24Config, module_names):
-        self.cfg = cfg
-        self.module_names = list(module_names)
-        self.layout = None  # chosen by the loader pass
 
     def _group(self, k: int) -> int:
         return k if self.cfg.group_size == -1 else self.cfg.group_size
@@ -183,9 +177,6 @@ class CtMarlin24LinearMethod:
             torch.empty(len(widths), 2, dtype=torch.int64),  # [shards, 2]: each shard's [N, K], when stored
             weight_loader=partial(_check_weight_shape, layer=layer), optional=True, **common,
         )
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
-                                        output_dim=0, **common)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         n, k = layer.output_size, layer.input_size

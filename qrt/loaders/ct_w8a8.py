@@ -24,8 +24,7 @@ from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
 
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import copy_ints
-from .parameters import make_parameter
-from .shards import check_shape, copy_rows
+from .linear import LinearMethod, check_shape, make_parameter
 
 DYNAMIC, STATIC = "dynamic per token", "static per tensor"
 
@@ -104,12 +103,8 @@ def merge_static_inputs(scales: torch.Tensor, zeros: torch.Tensor | None):
     return scale.reshape(1), zero.to(torch.int32).reshape(1)
 
 
-class CtW8A8LinearMethod:
+class CtW8A8LinearMethod(LinearMethod):
     name = "ct-w8a8"
-
-    def __init__(self, cfg: CtW8A8Config, module_names):
-        self.cfg = cfg
-        self.module_names = list(module_names)
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -137,9 +132,6 @@ class CtW8A8LinearMethod:
                     torch.empty(slots, dtype=torch.int32),  # [shards], merged to [1] by the loader pass
                     weight_loader=partial(_load_input_zero_point, layer=layer), **common,
                 )
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
-                                        output_dim=0, **common)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         if layer.input_scale is not None:

@@ -20,8 +20,7 @@ import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
 from .errors import TensorMismatch
-from .parameters import make_parameter, replace_parameter
-from .shards import ShardLayout, check_shape, copy_rows
+from .linear import LinearMethod, ShardLayout, check_shape, make_parameter, replace_parameter
 
 
 def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
@@ -41,12 +40,11 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
     scale_rows.copy_(scales.squeeze(1))
 
 
-class Fp8OnlineLinearMethod:
+class Fp8OnlineLinearMethod(LinearMethod):
     name = "fp8"
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size
-        layout = layer.shard_layout
         # Filled by the weight's loader, never read from the checkpoint: no weight_loader.
         layer.weight_scale = make_parameter(
             torch.empty(n, dtype=torch.float32),  # [N] fp32, one scale per output channel
@@ -57,11 +55,6 @@ class Fp8OnlineLinearMethod:
             weight_loader=partial(_quantize_into, layer=layer),
             input_dim=1, output_dim=0, quant_format=self.name,
         )
-        if layer.has_bias:
-            layer.bias = make_parameter(
-                torch.empty(n, dtype=dtype),  # [N], kept in the model dtype
-                weight_loader=partial(copy_rows, layout=layout), output_dim=0, quant_format=self.name,
-            )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.qrt.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)

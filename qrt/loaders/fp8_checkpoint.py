@@ -19,8 +19,7 @@ from qrt.kernels.fp8_block import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
 
 from .errors import TensorMismatch, UnsupportedError
-from .parameters import make_parameter, replace_parameter
-from .shards import ShardLayout, check_shape, copy_rows
+from .linear import LinearMethod, ShardLayout, check_shape, copy_rows, make_parameter, replace_parameter
 
 # activation schemes
 DYNAMIC_TOKEN = "dynamic per token"
@@ -83,17 +82,17 @@ def _check_scale(loaded):
                              f"values; a scale must be a positive finite multiplier")
 
 
-class Fp8CheckpointLinearMethod:
+class Fp8CheckpointLinearMethod(LinearMethod):
     name = "fp8"
 
     def __init__(self, layout: Fp8Layout, family: str):
-        self.layout = layout
+        super().__init__(layout)
         self.family = family
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size
         shards = layer.shard_layout
-        spec = self.layout
+        spec = self.cfg
         layer.weight = make_parameter(
             torch.empty(n, k, dtype=FP8_DTYPE),  # [N, K] e4m3 as stored
             weight_loader=partial(_load_fp8_weight, layout=shards), input_dim=1, output_dim=0, quant_format=self.name,
@@ -112,12 +111,9 @@ class Fp8CheckpointLinearMethod:
                 torch.empty(slots),  # [shards] fp32, merged to [1] by the loader pass
                 weight_loader=partial(_load_input_scale, layout=shards), quant_format=self.name,
             )
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
-                                        output_dim=0, quant_format=self.name)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        spec = self.layout
+        spec = self.cfg
         scale = getattr(layer, spec.scale_name)
         if spec.activation == DYNAMIC_TOKEN:
             return torch.ops.qrt.fp8_linear(x, layer.weight, scale, layer.bias)
@@ -126,7 +122,7 @@ class Fp8CheckpointLinearMethod:
         return torch.ops.qrt.fp8_block_linear(x, layer.weight, scale, layer.bias, spec.block[0], spec.block[1])
 
     def process_after_loading(self, layer, device: torch.device) -> None:
-        spec = self.layout
+        spec = self.cfg
         if spec.activation == STATIC_TENSOR:
             replace_parameter(layer, "input_scale", layer.input_scale.data.max().reshape(1))  # [1]
         described = f"fp8_e4m3 [N, K], {spec.weight} scales, {spec.activation} activations ({self.family})"

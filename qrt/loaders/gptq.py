@@ -20,8 +20,7 @@ from qrt.kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
 from .errors import ConfigError, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
                           loaded_g_idx, remove_parameters, scaled_shards)
-from .parameters import make_parameter
-from .shards import copy_rows
+from .linear import LinearMethod, copy_rows, make_parameter
 
 _CHECKPOINT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -51,13 +50,8 @@ def gptq_zero_points(qzeros: torch.Tensor, bits: int, n: int, v2: bool) -> torch
     return unpack_rows(words.t().contiguous(), bits, n).t()
 
 
-class GptqLinearMethod:
+class GptqLinearMethod(LinearMethod):
     name = "gptq"
-
-    def __init__(self, cfg: GptqConfig, module_names):
-        self.cfg = cfg
-        self.module_names = list(module_names)
-        self.layout = None  # chosen by the loader pass
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -87,9 +81,6 @@ class GptqLinearMethod:
             weight_loader=partial(copy_rows, layout=shards), output_dim=1, **common,
         )
         layer.g_idx = g_idx_parameter(layer, **common)
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
-                                        output_dim=0, **common)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size

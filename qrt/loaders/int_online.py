@@ -22,8 +22,7 @@ from qrt.kernels.int_reference import pack_factor, pack_rows, unpack_rows
 
 from .errors import TensorMismatch
 from .int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters
-from .parameters import make_parameter
-from .shards import check_shape, copy_rows
+from .linear import LinearMethod, check_shape, make_parameter
 
 _MIN_SCALE = 1e-8  # an all-equal group gets a tiny scale instead of a division by zero
 # Rows quantized at a time: the float32 temporaries of a whole 49152-row lm_head came to several
@@ -94,11 +93,10 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, cfg: OnlineI
         targets["zeros"][:, rows].copy_(zeros.t())
 
 
-class OnlineIntLinearMethod:
+class OnlineIntLinearMethod(LinearMethod):
     def __init__(self, bits: int, max_group: int = 32):
-        self.cfg = OnlineIntConfig(bits, max_group)
+        super().__init__(OnlineIntConfig(bits, max_group))
         self.name = f"int{bits}"
-        self.layout = None  # chosen by the loader pass
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k, bits = layer.output_size, layer.input_size, self.cfg.bits
@@ -111,10 +109,6 @@ class OnlineIntLinearMethod:
             weight_loader=partial(_quantize_into, layer=layer, cfg=self.cfg), loaded_shape=(n, k),
             input_dim=0, output_dim=1, packed_dim=0, packed_factor=pack_factor(bits), quant_format=self.name,
         )
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype),
-                                        weight_loader=partial(copy_rows, layout=layer.shard_layout),
-                                        output_dim=0, quant_format=self.name)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         k, bits = layer.input_size, self.cfg.bits

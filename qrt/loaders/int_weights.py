@@ -29,8 +29,7 @@ from qrt.kernels.int_reference import pack_rows
 from qrt.kernels.onednn_cpu import dense_linear
 
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
-from .parameters import make_parameter
-from .shards import ShardLayout, check_shape
+from .linear import ShardLayout, check_shape, make_parameter
 
 PACKED, INT4PACK, INT8PACK, DENSE = "packed", "int4pack", "int8pack", "dense"
 

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from .config import DeviceConfig, LoadConfig, parse_dtype
 from .errors import CheckpointError, ConfigError, TensorMismatch
-from .parameters import attributes_of, make_parameter
+from .linear import attributes_of, make_parameter
 
 
 def choose_dtype(device_config: DeviceConfig, hf_config: dict, source) -> torch.dtype:
@@ -59,29 +59,18 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, replaced[id(param)])
 
 
-def _checkpoint_to_param_name(model, name: str) -> tuple[str, object]:
-    for old, new in model.renamed_tensors:
-        if name.endswith(old):
-            return name[: -len(old)] + new, None
-    for fused, shard, shard_id in model.stacked_params:
-        if shard in name:
-            return name.replace(shard, fused), shard_id
-    return name, None
-
-
 def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress: bool) -> None:
     """Feed each (file, name, tensor) to its parameter's weight_loader, then check nothing is missing."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
-    skippable = model.tied_tensor_names()
-    copies = model.tied_copies()
+    names = model.checkpoint_names()
     bar = tqdm(total=total, desc="qrt: loading", unit="tensor", disable=not progress, file=sys.stderr, leave=False)
     with bar:
         for path, name, tensor in tensors:
             bar.update(1)
-            if name in skippable or name.endswith(model.ignored_tensor_suffixes):
+            if names.skipped(name):
                 continue
-            param_name, shard_id = _checkpoint_to_param_name(model, name)
+            param_name, shard_id = names.parameter_of(name)
             param = params.get(param_name)
             if param is None or getattr(param, "weight_loader", None) is None:
                 raise CheckpointError(path, name, f"unexpected tensor: {type(model).__name__} has no "
@@ -89,7 +78,7 @@ def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress:
                                       f"{_expected_here(model, param_name)}")
             if shard_id in loaded[param_name]:
                 raise CheckpointError(path, name, "appears more than once in the checkpoint")
-            for target in (param_name, *copies.get(param_name, ())):
+            for target in (param_name, *names.copies.get(param_name, ())):
                 try:
                     params[target].weight_loader(params[target], tensor, shard_id)
                 except TensorMismatch as err:

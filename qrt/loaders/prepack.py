@@ -8,7 +8,7 @@ from torch import nn
 
 from qrt.kernels.onednn_cpu import PREPACKABLE_KERNELS, onednn_prepack_supported, prepack_weight
 
-from .parameters import replace_parameter
+from .linear import replace_parameter
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:

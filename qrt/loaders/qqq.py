@@ -44,8 +44,7 @@ from qrt.kernels.w4a8_reference import w4a8_int8_weights
 from .ct_w8a8 import annotate_int8_layout, check_scale
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from .int_weights import copy_ints, remove_parameters
-from .parameters import make_parameter
-from .shards import ShardLayout, copy_rows
+from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
 
 TILE = 16  # QQQ's tiles are 16x16
 CHUNK = 1024  # values per permutation run: 4 tiles, 64 output channels
@@ -122,13 +121,11 @@ def _load_scales(param, loaded, shard_id, *, layout):
     copy_rows(param, loaded, shard_id, layout=layout)
 
 
-class QqqLinearMethod:
+class QqqLinearMethod(LinearMethod):
     name = "qqq"
 
     def __init__(self, cfg: QqqConfig, module_names):
-        self.cfg = cfg
-        self.module_names = list(module_names)
-        self.layout = None  # "packed" (CUDA) or "int8" (CPU), chosen by the loader pass
+        super().__init__(cfg, module_names)  # layout: "packed" (CUDA) or "int8" (CPU), chosen by the loader pass
         self.group_size = None  # G of the canonical layout, set with it
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
@@ -156,9 +153,6 @@ class QqqLinearMethod:
             group_scales = torch.empty(k // cfg.group_size, n, dtype=torch.float32)  # [K / G, N]; fp16 on disk
             loader = partial(_load_scales, layout=shards)
         layer.s_group = make_parameter(group_scales, weight_loader=loader, output_dim=1, **common)
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype), weight_loader=partial(copy_rows, layout=shards),
-                                        output_dim=0, **common)
 
     def canonical(self, layer):
         """(qweight int32 [K / 8, N], group_scales fp32 [K / G, N], channel_scales fp32 [N], G) from the

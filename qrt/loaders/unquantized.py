@@ -6,25 +6,19 @@ import torch
 
 from qrt.kernels.onednn_cpu import dense_linear
 
-from .parameters import make_parameter
-from .shards import copy_rows
+from .linear import LinearMethod, copy_rows, make_parameter
 
 
-class UnquantizedLinearMethod:
+class UnquantizedLinearMethod(LinearMethod):
     name = "bf16"  # shown by inspect; the actual dtype is the model's
+    stores_dense_weight = True
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size
-        loader = partial(copy_rows, layout=layer.shard_layout)
         layer.weight = make_parameter(
             torch.empty(n, k, dtype=dtype),  # [N, K]
-            weight_loader=loader, input_dim=1, output_dim=0, quant_format=self.name,
+            weight_loader=partial(copy_rows, layout=layer.shard_layout), input_dim=1, output_dim=0, quant_format=self.name,
         )
-        if layer.has_bias:
-            layer.bias = make_parameter(
-                torch.empty(n, dtype=dtype),  # [N]
-                weight_loader=loader, output_dim=0, quant_format=self.name,
-            )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, layer.weight, layer.bias)

@@ -15,8 +15,7 @@ from qrt.kernels.int8_reference import MIN_SCALE
 
 from .ct_w8a8 import annotate_int8_layout
 from .errors import TensorMismatch
-from .parameters import make_parameter
-from .shards import check_shape, copy_rows
+from .linear import LinearMethod, check_shape, make_parameter
 
 
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +39,7 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
     scale_rows.copy_(scales)
 
 
-class W8A8OnlineLinearMethod:
+class W8A8OnlineLinearMethod(LinearMethod):
     name = "w8a8"
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
@@ -52,10 +51,6 @@ class W8A8OnlineLinearMethod:
             torch.empty(n, k, dtype=torch.int8),  # [N, K] in [-127, 127]
             weight_loader=partial(_quantize_into, layer=layer), input_dim=1, output_dim=0, quant_format=self.name,
         )
-        if layer.has_bias:
-            layer.bias = make_parameter(torch.empty(n, dtype=dtype),  # [N], kept in the model dtype
-                                        weight_loader=partial(copy_rows, layout=layer.shard_layout), output_dim=0,
-                                        quant_format=self.name)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         annotate_int8_layout(layer, device, "int8 channel weights, int8 per-token activations (online)")

@@ -2,14 +2,15 @@
 final norm and lm_head, the rotary tables and the masks. Families override class attributes,
 `read_config`, and the `embed`/`logits` ends."""
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from qrt.loaders.kv_cache import KV_SCALE_RENAMES
-from qrt.loaders.unquantized import UnquantizedLinearMethod
+from qrt.loaders.linear import KV_SCALE_RENAMES, CheckpointNames, Linear
 
 from .config import ModelConfig
-from .layers import DecoderLayer, Embedding, Linear, RotaryEmbedding
+from .layers import DecoderLayer, Embedding, RotaryEmbedding
 
 # (fused parameter, checkpoint shard name, shard id): checkpoints store q/k/v and gate/up
 # separately; qrt runs each group as one matmul.
@@ -44,11 +45,10 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     layer_cls = DecoderLayer
-    stacked_params = SEPARATE_PROJECTIONS
-    # Checkpoint names that other exporters give tensors qrt loads under another name.
-    renamed_tensors = KV_SCALE_RENAMES
-    # Checkpoint tensors that carry nothing qrt needs (derived buffers some exporters save).
-    ignored_tensor_suffixes = ("rotary_emb.inv_freq",)
+    # How checkpoint names map to parameters, before the ties this instance adds: the separate
+    # projections stack, other exporters' names for the KV scales, and a derived buffer some save.
+    checkpoint_layout = CheckpointNames(stacked=SEPARATE_PROJECTIONS, renamed=KV_SCALE_RENAMES,
+                                        ignored_suffixes=("rotary_emb.inv_freq",))
     # Values the family's transformers config class assumes when config.json leaves a key out.
     config_defaults: dict = {}
 
@@ -63,7 +63,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, scheme, dtype, self.layer_cls)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, dtype=dtype,
                               method=scheme.method_for("lm_head"))
-        if cfg.tie_word_embeddings and isinstance(self.lm_head.quant_method, UnquantizedLinearMethod):
+        if cfg.tie_word_embeddings and self.lm_head.quant_method.stores_dense_weight:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope)
         self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope)
@@ -74,16 +74,14 @@ class CausalLM(nn.Module):
         # the frozen whole-graph build inlines every layer instead.
         self.compile_layers_once = False
 
-    def tied_tensor_names(self) -> tuple:
-        """Checkpoint tensors that alias another one in this model and may be skipped."""
-        return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-
-    def tied_copies(self) -> dict:
-        """Parameter -> other parameters loaded from the same checkpoint tensor. A tied lm_head that
-        is quantized online has its own weight, quantized from the embeddings as they stream in."""
+    def checkpoint_names(self) -> CheckpointNames:
+        """How this model's checkpoint tensors map to its parameters (read by the loader)."""
+        tied = self.config.tie_word_embeddings
         weight = getattr(self.lm_head, "weight", None)  # stored formats (GPTQ) name theirs otherwise
+        # A tied lm_head quantized online has its own weight, quantized from the embeddings as they stream in.
         untied = weight is not None and weight is not self.model.embed_tokens.weight
-        return {"model.embed_tokens.weight": ("lm_head.weight",)} if self.config.tie_word_embeddings and untied else {}
+        return replace(self.checkpoint_layout, tied=("lm_head.weight",) if tied else (),
+                       copies={"model.embed_tokens.weight": ("lm_head.weight",)} if tied and untied else {})
 
     def allocate_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Rotary tables and the static KV cache; called once the weights are materialized."""

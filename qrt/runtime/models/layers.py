@@ -1,5 +1,8 @@
-"""Building blocks shared by the decoder models: linear layers with pluggable quantization,
-RMSNorm, rotary embeddings, attention over a static KV cache, and the gated MLP.
+"""Building blocks shared by the decoder models: RMSNorm, rotary embeddings, attention over a
+static KV cache, and the gated MLP.
+
+Linear layers come from the quantized-linear contract (qrt.loaders.linear): a layer asks the
+model's QuantScheme for the LinearMethod of its checkpoint modules and never looks further.
 
 Written for `torch.compile(fullgraph=True)`: no data-dependent Python control flow in `forward`,
 no reads of parameter attributes in `forward`, caches preallocated as buffers.
@@ -11,36 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qrt.loaders.kv_cache import create_kv_scales, dequantize_kv, quantize_kv
-from qrt.loaders.parameters import make_parameter
-from qrt.loaders.shards import ShardLayout, copy_rows
+from qrt.loaders.linear import Linear, copy_rows, create_kv_scales, dequantize_kv, make_parameter, quantize_kv
 
 from .config import SLIDING_ATTENTION, ModelConfig, Rope
-
-
-class Linear(nn.Module):
-    """y = x Wᵀ (+ b) whose weights are created, loaded and run by a quantization method.
-
-    output_sizes has one entry per shard of a fused layer (q/k/v, gate/up) with matching
-    shard_ids; the checkpoint's per-shard tensors are loaded into their rows.
-    """
-
-    def __init__(self, input_size: int, output_sizes, *, bias: bool, method, dtype, shard_ids=None):
-        super().__init__()
-        self.input_size = input_size
-        self.output_size = sum(output_sizes)
-        self.has_bias = bias
-        self.params_dtype = dtype
-        self.shard_layout = None if shard_ids is None else ShardLayout.stacked(shard_ids, output_sizes)
-        self.quant_method = method
-        self.register_parameter("bias", None)
-        method.create_weights(self, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
-
-    def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, quant={self.quant_method.name}"
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ class Phi3DecoderLayer(DecoderLayer):
 
 class Phi3ForCausalLM(CausalLM):
     layer_cls = Phi3DecoderLayer
-    stacked_params = ()  # qkv_proj and gate_up_proj load whole, under their own names
+    checkpoint_layout = replace(CausalLM.checkpoint_layout, stacked=())  # qkv_proj and gate_up_proj load whole
     config_defaults = {"original_max_position_embeddings": 4096}
 
     @classmethod
