@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from qrt import runtime  # noqa: E402
-from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.registry import online_formats  # noqa: E402
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -61,7 +61,7 @@ def agreement(bf16, variants: dict, prompts=PROMPTS, new_tokens: int = 64) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quant", default=",".join(ONLINE_METHODS), help=f"comma-separated subset of {list(ONLINE_METHODS)}")
+    parser.add_argument("--quant", default=",".join(online_formats()), help=f"comma-separated subset of {list(online_formats())}")
     parser.add_argument("--weight-only-fp8", action="store_true", help="add the fp8-weights, bf16-activations column")
     parser.add_argument("--eager", action="store_true",
                         help="run the variants eagerly (same quantized weights, reference or direct kernel ops; "

@@ -50,7 +50,7 @@ from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_sta
                            wall_time)
 from qrt.loaders.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
-from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.registry import online_formats  # noqa: E402
 
 HF = "transformers eager bf16"
 
@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
     parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
-                        help=f"comma-separated qrt variants: bf16 (weights as stored), {', '.join(ONLINE_METHODS)}")
+                        help=f"comma-separated qrt variants: bf16 (weights as stored), {', '.join(online_formats())}")
     parser.add_argument("--runs", type=positive_int, default=5)
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=32)

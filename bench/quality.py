@@ -5,7 +5,7 @@
     python bench/quality.py PATH --eager        # reference ops, no torch.compile (a quick check)
 
 The rows are `none` (weights as stored, run in --dtype: "bf16" for the default model) and every
-`quant=` name in loaders.quant.ONLINE_METHODS, so a new online format gets a row with no change
+`quant=` name in the format registry's online formats, so a new online format gets a row with no change
 here. Each row loads the checkpoint with runtime.compile_model and scores the same tokens of the
 text with runtime.evaluate's sliding window (`qrt eval` computes the same figures); the ratio
 column is each row's perplexity over the unquantized row's. Models are evaluated one at a time, each freed before the
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.registry import online_formats  # noqa: E402
 from qrt.runtime.evaluate import DEFAULT_TEXT, DEFAULT_WINDOW, check_window, perplexity_of_text, read_text  # noqa: E402
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -30,7 +30,7 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def quant_names() -> list[str]:
     """Every row the suite knows: the unquantized model, then each online format."""
-    return ["none", *ONLINE_METHODS]
+    return ["none", *online_formats()]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.registry import online_formats  # noqa: E402
 
 # "bf16": the checkpoint's weights as stored (the default model's are bf16); the rest are quantized
 # online while loading.
-QUANTS = {"bf16": None, **{name: name for name in ONLINE_METHODS}}
+QUANTS = {"bf16": None, **{name: name for name in online_formats()}}

@@ -11,7 +11,7 @@ batch 1 and 8, peak memory, and each decode figure against this machine's memory
 Run it on a quiet machine: with two cores, another CPU-bound job slows decode by several times (the
 load average is printed, with a warning when it is high). Each measurement is a fresh process
 (bench/engines.py, which says exactly what each figure times), one after another:
-- qrt in bf16 (weights as stored) and in every online quantization of loaders.quant.ONLINE_METHODS:
+- qrt in bf16 (weights as stored) and in every online quantization of the format registry's online formats:
   batch 1 with an empty qrt cache folder (QRT_CACHE_DIR, which holds qrt's compile cache and
   Inductor's caches: load, cold compile, prefill, decode, memory); a second process with that
   folder that only loads and compiles or loads its compiled graphs (warm start = its load +
@@ -56,7 +56,7 @@ from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list,
 from bench.roofline import cache_file, cached_bandwidth, gguf_weight_bytes_per_token, roofline_tok_s  # noqa: E402
 from qrt.loaders.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
-from qrt.loaders.quant import ONLINE_METHODS  # noqa: E402
+from qrt.loaders.registry import online_formats  # noqa: E402
 
 ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="default (SmolLM2-135M-Instruct), 1b (random-weight 0.85B Llama), or a checkpoint folder")
     parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
-                        help=f"comma-separated qrt formats: bf16 (weights as stored), {', '.join(ONLINE_METHODS)}")
+                        help=f"comma-separated qrt formats: bf16 (weights as stored), {', '.join(online_formats())}")
     parser.add_argument("--engines", type=name_list(ENGINES), default=",".join(ENGINES),
                         help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--runs", type=positive_int, default=3)

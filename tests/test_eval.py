@@ -10,7 +10,7 @@ import torch
 
 from qrt import runtime
 from bench import quality
-from qrt.loaders.quant import ONLINE_METHODS
+from qrt.loaders.registry import online_formats
 from qrt.runtime.cli import main
 from qrt.runtime.evaluate import DEFAULT_TEXT, encode, perplexity_of_ids, perplexity_of_text, plan_windows, read_text
 
@@ -163,7 +163,7 @@ def test_eval_command_errors_name_the_problem(byte_tokenized_dir, llama_dir, tmp
 
 
 def test_quality_bench_has_a_row_for_every_online_quantization(byte_tokenized_dir, tmp_path, capsys):
-    assert quality.quant_names() == ["none", *ONLINE_METHODS]
+    assert quality.quant_names() == ["none", *online_formats()]
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT, encoding="utf-8")
     out_json = tmp_path / "quality.json"

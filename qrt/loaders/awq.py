@@ -5,6 +5,7 @@ Tensors per linear (FORMATS.md §2): `qweight` int32 [K, N / pf] and `qzeros` in
 Zero points are stored as they are (no GPTQ-style offset): W[n, k] = (q[k, n] - z[g, n]) * s[g, n].
 """
 
+import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -15,6 +16,8 @@ from qrt.kernels.int_reference import pack_factor, unpack_rows
 from .errors import ConfigError, UnsupportedError
 from .int_weights import IntWeights, apply_int_layout, copy_ints, install_int_weights, remove_parameters, scaled_shards
 from .linear import LinearMethod, copy_rows, make_parameter
+from .quant import QuantScheme
+from .registry import stored_format
 
 # Field i of a word holds output channel pf * j + ORDER[i]; reading channel p from field
 # REVERSE[p] undoes it. 4-bit: ORDER = [0, 2, 4, 6, 1, 3, 5, 7]; 8-bit: [0, 2, 1, 3] (its own inverse).
@@ -91,3 +94,16 @@ def awq_config(config: dict, source) -> AwqConfig:
     if not isinstance(group, int) or group <= 0:
         raise ConfigError(f"{source}: AWQ group_size={group!r}; expected a positive integer")
     return AwqConfig(bits, group)
+
+
+def _reads_as_awq(config: dict) -> bool:
+    """AutoAWQ's quant_config.json says zero_point or version; AutoGPTQ's says neither."""
+    return "zero_point" in config or "version" in config
+
+
+@stored_format("awq", summary="AWQ 4/8-bit in AutoAWQ's GEMM layout", claims_side_file=_reads_as_awq)
+def awq_scheme(config: dict, source) -> QuantScheme:
+    cfg = awq_config(config, source)
+    # modules_to_not_convert entries match as substrings of module names.
+    skip = ["re:.*" + re.escape(name) for name in config.get("modules_to_not_convert") or ()]
+    return QuantScheme("awq", lambda names: AwqLinearMethod(cfg, names), skip, cfg.describe())

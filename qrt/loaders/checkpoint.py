@@ -7,13 +7,9 @@ import torch
 
 from .config import LoadConfig, read_hf_config
 from .errors import CheckpointError
-from .quant import MODELOPT_SIDE_FILE, QUANT_SIDE_FILES
+from .registry import side_file_names
 from .safetensors_files import INDEX_NAME, checkpoint_files, count_tensors, iter_tensors
 from .tokenizer import load_tokenizer
-
-# Files beside config.json that can change how a checkpoint loads (quantization side files).
-SIDE_FILES = (MODELOPT_SIDE_FILE, *QUANT_SIDE_FILES, INDEX_NAME)
-
 
 class SafetensorsCheckpoint:
     """A Hugging Face folder: config.json, model.safetensors or a sharded index, tokenizer files."""
@@ -30,7 +26,8 @@ class SafetensorsCheckpoint:
     def identity_files(self, with_weights: bool = True) -> list[Path]:
         """The files whose contents decide what qrt builds: config and quantization side files,
         and the weight files (whose headers the compile cache hashes)."""
-        side = [self.folder / name for name in SIDE_FILES if (self.folder / name).is_file()]
+        # Files beside config.json that can change how the checkpoint loads: quantization side files, the index.
+        side = [self.folder / name for name in (*side_file_names(), INDEX_NAME) if (self.folder / name).is_file()]
         return [self.config_path, *side, *(checkpoint_files(self.folder) if with_weights else [])]
 
     def load_tokenizer(self):

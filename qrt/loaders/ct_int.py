@@ -23,6 +23,8 @@ from .errors import TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
                           loaded_g_idx, remove_parameters, shard_slot)
 from .linear import LinearMethod, check_shape, copy_rows, make_parameter
+from .quant import QuantScheme
+from .registry import CompressedTensorsGroup, compressed_tensors_format
 
 _CHECKPOINT_TENSORS = ("weight_packed", "weight_shape", "weight", "weight_scale", "weight_zero_point", "weight_g_idx")
 
@@ -148,3 +150,18 @@ def ct_int_config(fmt: str, weights: dict, source) -> CtIntConfig:
         raise UnsupportedError(f"{source}: compressed-tensors actorder={actorder!r} is not supported")
     return CtIntConfig(packed, bits, group_size, bool(weights.get("symmetric", True)),
                        actorder in (True, "group", "dynamic"), str(source))
+
+
+_WEIGHT_ONLY_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
+
+
+@compressed_tensors_format("int weight-only", summary="W4A16/W8A16: pack-quantized, naive-quantized or "
+                           "int-quantized int weights per channel or group, act-order, symmetric or asymmetric",
+                           matches=lambda g: g.fmt != "marlin-24" and g.weights.get("type") == "int"
+                           and g.inputs is None)
+def ct_int_scheme(group: CompressedTensorsGroup, skip, source) -> QuantScheme:
+    if group.fmt not in _WEIGHT_ONLY_FORMATS:
+        raise UnsupportedError(f"{source}: compressed-tensors format {group.fmt!r} with int weights is not "
+                               f"supported; supported: {', '.join(_WEIGHT_ONLY_FORMATS)}")
+    cfg = ct_int_config(group.fmt, group.weights, source)
+    return QuantScheme("compressed-tensors", lambda names: CtIntLinearMethod(cfg, names), skip, cfg.describe())

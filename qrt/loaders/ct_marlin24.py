@@ -31,6 +31,8 @@ from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights, remove_parameters,
                           shard_slot)
 from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
+from .quant import QuantScheme
+from .registry import CompressedTensorsGroup, compressed_tensors_format
 from .qqq import unpermute_columns
 
 BITS = 4
@@ -226,3 +228,11 @@ def ct_marlin24_config(weights: dict, inputs, source) -> CtMarlin24Config:
     if weights.get("actorder") not in (None, False):
         raise UnsupportedError(f"{what} has no group indices; actorder={weights.get('actorder')!r} cannot be stored")
     return CtMarlin24Config(GROUP_SIZE, str(source))
+
+
+# 2:4 sparsity lives in the weight layout; the config's sparsity_config says "dense".
+@compressed_tensors_format("marlin-24", summary="2:4-sparse 4-bit weights in the marlin-24 layout, groups of 128 "
+                           "or channels", matches=lambda group: group.fmt == "marlin-24")
+def ct_marlin24_scheme(group: CompressedTensorsGroup, skip, source) -> QuantScheme:
+    cfg = ct_marlin24_config(group.weights, group.inputs, source)
+    return QuantScheme("compressed-tensors", lambda names: CtMarlin24LinearMethod(cfg, names), skip, cfg.describe())

@@ -25,6 +25,8 @@ from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import copy_ints
 from .linear import LinearMethod, check_shape, make_parameter
+from .quant import QuantScheme
+from .registry import CompressedTensorsGroup, compressed_tensors_format
 
 DYNAMIC, STATIC = "dynamic per token", "static per tensor"
 
@@ -185,3 +187,12 @@ def ct_w8a8_config(fmt: str, weights: dict, inputs: dict, source) -> CtW8A8Confi
                                f"strategy={input_strategy!r} are not supported; supported: dynamic per token, "
                                f"static per tensor")
     return CtW8A8Config(strategy, activation, bool(inputs.get("symmetric", True)), str(source))
+
+
+@compressed_tensors_format("int W8A8", summary="int8 weights per channel or tensor, int8 activations dynamic per "
+                           "token or static per tensor, symmetric or asymmetric",
+                           matches=lambda g: g.fmt != "marlin-24" and g.weights.get("type") == "int"
+                           and g.inputs is not None)
+def ct_w8a8_scheme(group: CompressedTensorsGroup, skip, source) -> QuantScheme:
+    cfg = ct_w8a8_config(group.fmt, group.weights, group.inputs, source)
+    return QuantScheme("compressed-tensors", lambda names: CtW8A8LinearMethod(cfg, names), skip, cfg.describe())

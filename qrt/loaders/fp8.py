@@ -21,6 +21,7 @@ from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
 from .errors import TensorMismatch
 from .linear import LinearMethod, ShardLayout, check_shape, make_parameter, replace_parameter
+from .registry import online_format
 
 
 def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
@@ -71,3 +72,8 @@ class Fp8OnlineLinearMethod(LinearMethod):
             storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] holding exact fp8 values",
             kernel="qrt.fp8_linear_cpu",
         )
+
+
+@online_format("fp8", summary="e4m3 weights per channel, activations per token")
+def fp8_online_method(module_names) -> Fp8OnlineLinearMethod:
+    return Fp8OnlineLinearMethod(module_names=module_names)

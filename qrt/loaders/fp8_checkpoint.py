@@ -12,14 +12,17 @@ activation is quantized once for all shards.
 import math
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from qrt.kernels.fp8_block import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
 
-from .errors import TensorMismatch, UnsupportedError
+from .errors import ConfigError, TensorMismatch, UnsupportedError
 from .linear import LinearMethod, ShardLayout, check_shape, copy_rows, make_parameter, replace_parameter
+from .quant import QuantScheme, read_json
+from .registry import CompressedTensorsGroup, compressed_tensors_format, side_file, stored_format
 
 # activation schemes
 DYNAMIC_TOKEN = "dynamic per token"
@@ -158,3 +161,99 @@ def _block_layout(layer, block_rows: int) -> ShardLayout | None:
         raise UnsupportedError(f"fused shards of sizes {sizes} are not multiples of the {block_rows}-row weight "
                                f"block, so their block scales cannot be stacked")
     return ShardLayout.stacked(shards.shard_ids, [math.ceil(size / block_rows) for size in sizes])
+
+
+def _fp8_scheme(layout: Fp8Layout, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
+    block = f" {layout.block[0]}x{layout.block[1]}" if layout.block else ""
+    description = f"fp8 ({family}: {layout.weight}{block} weight scales, {layout.activation} activations"
+    description += ", fp8 KV cache)" if kv_cache_fp8 else ")"
+    return QuantScheme("fp8", lambda names: Fp8CheckpointLinearMethod(layout, family), skip, description, kv_cache_fp8)
+
+
+@stored_format("fp8", summary="FP8 e4m3 (HF/vLLM fp8: AutoFP8 per-tensor static or dynamic, DeepSeek-style "
+               "block scales)")
+def hf_fp8_scheme(config: dict, config_path) -> QuantScheme:
+    activation = config.get("activation_scheme", "dynamic")
+    block = config.get("weight_block_size")
+    skip = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
+    if block is not None:
+        if activation != "dynamic" or len(block) != 2:
+            raise ConfigError(f"{config_path}: fp8 weight_block_size={block} needs activation_scheme 'dynamic' "
+                              f"and two block sizes")
+        layout = Fp8Layout("block", DYNAMIC_GROUP, tuple(int(b) for b in block), "weight_scale_inv")
+    elif activation in ("dynamic", "static"):
+        layout = Fp8Layout("tensor", STATIC_TENSOR if activation == "static" else DYNAMIC_TOKEN)
+    else:
+        raise ConfigError(f"{config_path}: activation_scheme={activation!r}; expected 'static' or 'dynamic'")
+    return _fp8_scheme(layout, "HF fp8", skip)
+
+
+_MODELOPT_FP8 = {
+    "FP8": Fp8Layout("tensor", STATIC_TENSOR),
+    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Layout("channel", DYNAMIC_TOKEN),
+}
+
+
+def _modelopt(algo, kv_algo, skip, source) -> QuantScheme:
+    algo = str(algo).upper()
+    if algo not in _MODELOPT_FP8:
+        raise UnsupportedError(f"{source}: ModelOpt quant_algo={algo!r} is not supported yet; supported: "
+                               f"{sorted(_MODELOPT_FP8)}")
+    kv = "modelopt" if kv_algo is not None and str(kv_algo).upper() == "FP8" else None
+    if kv_algo is not None and kv is None:
+        raise UnsupportedError(f"{source}: ModelOpt kv_cache_quant_algo={kv_algo!r} is not supported; only FP8")
+    return _fp8_scheme(_MODELOPT_FP8[algo], "ModelOpt", skip, kv)
+
+
+@side_file("hf_quant_config.json", name="ModelOpt FP8",
+           summary="ModelOpt FP8 per-tensor static or per-channel dynamic, optional FP8 KV cache")
+def modelopt_side_file_scheme(path: Path) -> QuantScheme | None:
+    side = read_json(path)
+    if side.get("producer", {}).get("name") != "modelopt":
+        return None
+    q = side.get("quantization") or {}
+    return _modelopt(q.get("quant_algo"), q.get("kv_cache_quant_algo"), q.get("exclude_modules") or (), path)
+
+
+@stored_format("modelopt", summary="ModelOpt FP8 per-tensor static or per-channel dynamic, optional FP8 KV cache")
+def modelopt_scheme(config: dict, config_path) -> QuantScheme:
+    kv = config.get("kv_cache_scheme")
+    kv_algo = "FP8" if isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8 else kv
+    return _modelopt(config.get("quant_algo"), kv_algo, config.get("ignore") or (), config_path)
+
+
+def _ct_activation(inputs: dict, config_path) -> str:
+    strategy, dynamic = inputs.get("strategy") or "tensor", inputs.get("dynamic")
+    if dynamic is True and strategy == "token":
+        return DYNAMIC_TOKEN
+    if dynamic is False and strategy == "tensor":
+        return STATIC_TENSOR
+    if dynamic is True and strategy == "group":
+        return DYNAMIC_GROUP
+    raise UnsupportedError(f"{config_path}: compressed-tensors input activations {inputs} are not supported; "
+                           f"supported: dynamic token, static tensor, dynamic group")
+
+
+@compressed_tensors_format("float-quantized", summary="FP8 weights per tensor, channel or block with FP8 "
+                           "activations (dynamic per token or group, static per tensor), optional FP8 KV cache",
+                           matches=lambda group: group.weights.get("type") == "float")
+def ct_fp8_scheme(group: CompressedTensorsGroup, skip, config_path) -> QuantScheme:
+    weights, inputs = group.weights, group.inputs
+    if group.fmt != "float-quantized":
+        raise UnsupportedError(f"{config_path}: compressed-tensors float weights in format={group.fmt!r} are not "
+                               f"supported; supported: 'float-quantized'")
+    if weights.get("num_bits") != 8:
+        raise UnsupportedError(f"{config_path}: compressed-tensors weights {weights} are not 8-bit float")
+    if inputs is None:
+        raise UnsupportedError(f"{config_path}: fp8 weights with unquantized activations (W8A16) are not supported yet")
+    strategy = weights.get("strategy") or "tensor"
+    activation = _ct_activation(inputs, config_path)
+    if strategy == "block":
+        block = tuple(int(b) for b in weights.get("block_structure") or (128, 128))
+        layout = Fp8Layout("block", activation, block)
+    elif strategy in ("tensor", "channel"):
+        layout = Fp8Layout(strategy, activation)
+    else:
+        raise UnsupportedError(f"{config_path}: compressed-tensors fp8 weight strategy {strategy!r} is not supported")
+    kv = group.config.get("kv_cache_scheme")
+    return _fp8_scheme(layout, "compressed-tensors", skip, "compressed-tensors" if kv else None)

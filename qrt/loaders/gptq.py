@@ -10,6 +10,7 @@ is what GPTQModel's exporter subtracted, borrows included, so asymmetric files w
 come back exactly; for every other file it equals adding 1 per field.
 """
 
+import re
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -21,6 +22,8 @@ from .errors import ConfigError, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
                           loaded_g_idx, remove_parameters, scaled_shards)
 from .linear import LinearMethod, copy_rows, make_parameter
+from .quant import QuantScheme
+from .registry import stored_format
 
 _CHECKPOINT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -138,3 +141,28 @@ def dynamic_rules(config: dict, base: GptqConfig, source) -> tuple[list[str], li
         checked = gptq_config({**merged, "checkpoint_format": "gptq_v2" if base.v2 else "gptq"}, source)
         overrides.append((pattern.removeprefix("+:"), replace(checked, source=base.source)))
     return skip, overrides
+
+
+def _reads_as_gptq(config: dict) -> bool:
+    """An AutoGPTQ quantize_config.json: AutoAWQ's side file says zero_point or version instead."""
+    return "zero_point" not in config and "version" not in config
+
+
+@stored_format("gptq", summary="GPTQ 2/4/8-bit (AutoGPTQ, GPTQModel, optimum): groups or channels, act-order, "
+               "v1/v2 zero points, GPTQModel dynamic rules", claims_side_file=_reads_as_gptq)
+def gptq_scheme(config: dict, source) -> QuantScheme:
+    base = gptq_config(config, source)
+    skip, overrides = dynamic_rules(config, base, source)
+    blocks = config.get("modules_in_block_to_quantize")
+    if blocks:
+        names = "|".join(re.escape(name) for group in blocks for name in group)
+        skip.append(rf"re:.*\.layers\.\d+\.(?!(?:{names})$)")  # layer modules not listed stay dense
+
+    def make(module_names):
+        chosen = {next((cfg for pattern, cfg in overrides if re.match(pattern, name)), base) for name in module_names}
+        if len(chosen) > 1:
+            raise UnsupportedError(f"{source}: GPTQ dynamic rules give the fused shards {module_names} different "
+                                   f"settings; qrt runs them as one matmul")
+        return GptqLinearMethod(chosen.pop(), module_names)
+
+    return QuantScheme("gptq", make, skip, base.describe(), quantized_lm_head=bool(config.get("lm_head", False)))

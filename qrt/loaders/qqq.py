@@ -45,6 +45,8 @@ from .ct_w8a8 import annotate_int8_layout, check_scale
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from .int_weights import copy_ints, remove_parameters
 from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
+from .quant import QuantScheme
+from .registry import stored_format
 
 TILE = 16  # QQQ's tiles are 16x16
 CHUNK = 1024  # values per permutation run: 4 tiles, 64 output channels
@@ -211,3 +213,9 @@ def qqq_config(config: dict, source) -> QqqConfig:
     if group not in (-1, 128):
         raise ConfigError(f"{source}: QQQ group_size={group!r}; QQQ files use 128 or -1 (per channel)")
     return QqqConfig(group, str(source))
+
+
+@stored_format("qqq", summary="QQQ W4A8: 4-bit weights in QQQ's Marlin layout, int8 per-token activations")
+def qqq_scheme(config: dict, source) -> QuantScheme:
+    cfg = qqq_config(config, source)
+    return QuantScheme("qqq", lambda names: QqqLinearMethod(cfg, names), (), cfg.describe())

@@ -1,7 +1,9 @@
 """Which quantization a model gets: detected from the checkpoint, or asked for with `quant=`.
 
 A QuantScheme answers, per linear layer, which LinearMethod creates, loads and runs its weights.
-Layers are named by their checkpoint module names (a fused layer by all of its shards').
+Layers are named by their checkpoint module names (a fused layer by all of its shards'). What
+each format is and how it is detected lives with the format, in the registry (registry.py); this
+module only resolves a checkpoint and a `quant=` argument to a scheme, and matches ignore lists.
 """
 
 import fnmatch
@@ -9,37 +11,13 @@ import json
 import re
 from pathlib import Path
 
-from .awq import AwqLinearMethod, awq_config
-from .ct_int import CtIntLinearMethod, ct_int_config
-from .ct_marlin24 import CtMarlin24LinearMethod, ct_marlin24_config
-from .ct_w8a8 import CtW8A8LinearMethod, ct_w8a8_config
 from .errors import ConfigError, UnsupportedError
-from .fp8 import Fp8OnlineLinearMethod
-from .fp8_checkpoint import DYNAMIC_GROUP, DYNAMIC_TOKEN, STATIC_TENSOR, Fp8CheckpointLinearMethod, Fp8Layout
-from .gptq import GptqLinearMethod, dynamic_rules, gptq_config
-from .int_online import OnlineIntLinearMethod
-from .qqq import QqqLinearMethod, qqq_config
+from .registry import online_formats, side_file_formats, stored_formats
 from .unquantized import UnquantizedLinearMethod
-from .w8a8_online import W8A8OnlineLinearMethod
 
-# quant= values qrt applies to an unquantized checkpoint while loading it:
-# name -> (method factory taking the layer's checkpoint module names, description).
-ONLINE_METHODS = {
-    "fp8": (lambda names: Fp8OnlineLinearMethod(), "e4m3 weights per channel, activations per token"),
-    "int4": (lambda names: OnlineIntLinearMethod(4, max_group=32),
-             "4-bit weights, asymmetric groups of 32, bf16 activations"),
-    "int4-g128": (lambda names: OnlineIntLinearMethod(4, max_group=128),
-                  "4-bit weights, asymmetric groups of 128 (64 or 32 where 128 does not divide K), bf16 activations"),
-    "int8": (lambda names: OnlineIntLinearMethod(8), "8-bit weights per channel, bf16 activations"),
-    "w8a8": (lambda names: W8A8OnlineLinearMethod(), "int8 weights per channel, int8 activations per token"),
-}
-# Weight-only integer formats also quantize lm_head, to int8 per channel: with 4-bit layers, a bf16
-# lm_head is about half the bytes read per decoded token (SmolLM2: 57 of ~130 MB), and int8 costs
-# it +0.3% perplexity there. The embeddings stay as stored (a lookup reads one row per token).
-INT8_LM_HEAD = ("int4", "int4-g128", "int8")
-# Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json.
-QUANT_SIDE_FILES = ("quantize_config.json", "quant_config.json")
-MODELOPT_SIDE_FILE = "hf_quant_config.json"
+# Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json; the
+# stored format whose `claims_side_file` accepts the file reads it, unless it names its quant_method.
+LEGACY_SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
 
 class QuantScheme:
@@ -65,7 +43,7 @@ class QuantScheme:
         dense = ("embed_tokens",) if self.quantized_lm_head else ("lm_head", "embed_tokens")
         if self.make_method is None or any(n.endswith(dense) for n in module_names):
             return UnquantizedLinearMethod()
-        skipped = {any(_matches(name, pattern) for pattern in self.skip) for name in module_names}
+        skipped = {any(matches(name, pattern) for pattern in self.skip) for name in module_names}
         if len(skipped) > 1:
             raise UnsupportedError(f"the shards {module_names} are quantized differently (some are in the ignore "
                                    f"list, some not); qrt runs them as one fused layer and cannot mix them")
@@ -75,7 +53,7 @@ class QuantScheme:
         return self.description or self.name
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches(name: str, pattern: str) -> bool:
     """Ignore-list matching: `re:` regexes (compressed-tensors), wildcards (ModelOpt), else a
     module name or a dotted suffix/prefix of one ("lm_head", "mlp.gate", "model.layers.0")."""
     if pattern.startswith("re:"):
@@ -98,15 +76,14 @@ def resolve_scheme(hf_config: dict, quant: str | None, config_path, folder=None)
         return stored
     if quant is None or quant == "none":
         return QuantScheme("none", description="none (weights as stored)")
-    if quant not in ONLINE_METHODS:
-        raise UnsupportedError(
-            f"quant={quant!r} is not supported; choose None (as stored) or one of {sorted(ONLINE_METHODS)}"
-        )
-    make_method, what = ONLINE_METHODS[quant]
-    int8_lm_head = quant in INT8_LM_HEAD
-    kept = "lm_head int8 per channel, embeddings kept" if int8_lm_head else "lm_head and embeddings kept"
-    return QuantScheme(quant, make_method, description=f"{quant} (online: {what}; quantized while loading; {kept})",
-                       make_lm_head_method=(lambda: OnlineIntLinearMethod(8)) if int8_lm_head else None)
+    online = online_formats()
+    if quant not in online:
+        raise UnsupportedError(f"quant={quant!r} is not supported; choose None (as stored) or one of {sorted(online)}")
+    fmt = online[quant]
+    kept = f"{fmt.lm_head_summary}, embeddings kept" if fmt.make_lm_head_method else "lm_head and embeddings kept"
+    return QuantScheme(quant, fmt.make_method, description=f"{quant} (online: {fmt.summary}; quantized while loading; "
+                                                           f"{kept})",
+                       make_lm_head_method=fmt.make_lm_head_method)
 
 
 def detect_stored_scheme(hf_config: dict, config_path, folder=None) -> QuantScheme | None:
@@ -117,35 +94,46 @@ def detect_stored_scheme(hf_config: dict, config_path, folder=None) -> QuantSche
         return None
     if not isinstance(stored, dict) or "quant_method" not in stored:
         raise ConfigError(f"{config_path}: quantization_config has no 'quant_method'")
-    return _read_quant_config(stored, str(stored["quant_method"]).lower(), config_path)
+    return read_quant_config(stored, str(stored["quant_method"]).lower(), config_path)
 
 
-def _read_quant_config(config: dict, method: str, source) -> QuantScheme:
-    readers = {"fp8": _hf_fp8, "modelopt": _modelopt_config, "compressed-tensors": _compressed_tensors,
-               "gptq": _gptq, "awq": _awq, "qqq": _qqq}
-    if method not in readers:
+def read_quant_config(config: dict, method: str, source) -> QuantScheme:
+    """The scheme of a `quantization_config` (or an equivalent side file) whose quant_method is `method`."""
+    formats = stored_formats()
+    if method not in formats:
         raise UnsupportedError(
             f"{source}: the checkpoint is pre-quantized with quant_method={method!r}, which this version "
-            f"of qrt cannot load yet; supported: {sorted(readers)}, and unquantized checkpoints"
+            f"of qrt cannot load yet; supported: {sorted(formats)}, and unquantized checkpoints"
         )
-    return readers[method](config, source)
+    return formats[method].read(config, source)
 
 
 def _side_file_scheme(folder: Path) -> QuantScheme | None:
-    modelopt = folder / MODELOPT_SIDE_FILE
-    if modelopt.is_file():
-        return _modelopt_side_file(modelopt)
-    for name in QUANT_SIDE_FILES:
+    for name, fmt in side_file_formats().items():
+        path = folder / name
+        scheme = fmt.read(path) if path.is_file() else None
+        if scheme is not None:
+            return scheme
+    for name in LEGACY_SIDE_FILES:
         path = folder / name
         if path.is_file():
-            config = _read_json(path)
-            # AutoAWQ's side file says zero_point/version; AutoGPTQ's says neither.
-            awq = "zero_point" in config or "version" in config
-            return _read_quant_config(config, str(config.get("quant_method", "awq" if awq else "gptq")).lower(), path)
+            config = read_json(path)
+            return read_quant_config(config, _legacy_quant_method(config, path), path)
     return None
 
 
-def _read_json(path: Path) -> dict:
+def _legacy_quant_method(config: dict, path: Path) -> str:
+    if "quant_method" in config:
+        return str(config["quant_method"]).lower()
+    claimed = [fmt.quant_method for fmt in stored_formats().values()
+               if fmt.claims_side_file is not None and fmt.claims_side_file(config)]
+    if len(claimed) != 1:
+        raise ConfigError(f"{path}: no quant_method, and the keys {sorted(config)} do not tell which format this is "
+                          f"({'several fit: ' + ', '.join(claimed) if claimed else 'none fits'})")
+    return claimed[0]
+
+
+def read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -153,155 +141,3 @@ def _read_json(path: Path) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return value
-
-
-def _gptq(config: dict, source) -> QuantScheme:
-    base = gptq_config(config, source)
-    skip, overrides = dynamic_rules(config, base, source)
-    blocks = config.get("modules_in_block_to_quantize")
-    if blocks:
-        names = "|".join(re.escape(name) for group in blocks for name in group)
-        skip.append(rf"re:.*\.layers\.\d+\.(?!(?:{names})$)")  # layer modules not listed stay dense
-
-    def make(module_names):
-        chosen = {next((cfg for pattern, cfg in overrides if re.match(pattern, name)), base) for name in module_names}
-        if len(chosen) > 1:
-            raise UnsupportedError(f"{source}: GPTQ dynamic rules give the fused shards {module_names} different "
-                                   f"settings; qrt runs them as one matmul")
-        return GptqLinearMethod(chosen.pop(), module_names)
-
-    return QuantScheme("gptq", make, skip, base.describe(), quantized_lm_head=bool(config.get("lm_head", False)))
-
-
-def _qqq(config: dict, source) -> QuantScheme:
-    cfg = qqq_config(config, source)
-    return QuantScheme("qqq", lambda names: QqqLinearMethod(cfg, names), (), cfg.describe())
-
-
-def _awq(config: dict, source) -> QuantScheme:
-    cfg = awq_config(config, source)
-    # modules_to_not_convert entries match as substrings of module names.
-    skip = ["re:.*" + re.escape(name) for name in config.get("modules_to_not_convert") or ()]
-    return QuantScheme("awq", lambda names: AwqLinearMethod(cfg, names), skip, cfg.describe())
-
-
-def _fp8_scheme(layout: Fp8Layout, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
-    block = f" {layout.block[0]}x{layout.block[1]}" if layout.block else ""
-    description = f"fp8 ({family}: {layout.weight}{block} weight scales, {layout.activation} activations"
-    description += ", fp8 KV cache)" if kv_cache_fp8 else ")"
-    return QuantScheme("fp8", lambda names: Fp8CheckpointLinearMethod(layout, family), skip, description, kv_cache_fp8)
-
-
-def _hf_fp8(config: dict, config_path) -> QuantScheme:
-    activation = config.get("activation_scheme", "dynamic")
-    block = config.get("weight_block_size")
-    skip = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
-    if block is not None:
-        if activation != "dynamic" or len(block) != 2:
-            raise ConfigError(f"{config_path}: fp8 weight_block_size={block} needs activation_scheme 'dynamic' "
-                              f"and two block sizes")
-        layout = Fp8Layout("block", DYNAMIC_GROUP, tuple(int(b) for b in block), "weight_scale_inv")
-    elif activation in ("dynamic", "static"):
-        layout = Fp8Layout("tensor", STATIC_TENSOR if activation == "static" else DYNAMIC_TOKEN)
-    else:
-        raise ConfigError(f"{config_path}: activation_scheme={activation!r}; expected 'static' or 'dynamic'")
-    return _fp8_scheme(layout, "HF fp8", skip)
-
-
-_MODELOPT_FP8 = {
-    "FP8": Fp8Layout("tensor", STATIC_TENSOR),
-    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Layout("channel", DYNAMIC_TOKEN),
-}
-
-
-def _modelopt(algo, kv_algo, skip, source) -> QuantScheme:
-    algo = str(algo).upper()
-    if algo not in _MODELOPT_FP8:
-        raise UnsupportedError(f"{source}: ModelOpt quant_algo={algo!r} is not supported yet; supported: "
-                               f"{sorted(_MODELOPT_FP8)}")
-    kv = "modelopt" if kv_algo is not None and str(kv_algo).upper() == "FP8" else None
-    if kv_algo is not None and kv is None:
-        raise UnsupportedError(f"{source}: ModelOpt kv_cache_quant_algo={kv_algo!r} is not supported; only FP8")
-    return _fp8_scheme(_MODELOPT_FP8[algo], "ModelOpt", skip, kv)
-
-
-def _modelopt_side_file(path: Path) -> QuantScheme | None:
-    side = _read_json(path)
-    if side.get("producer", {}).get("name") != "modelopt":
-        return None
-    q = side.get("quantization") or {}
-    return _modelopt(q.get("quant_algo"), q.get("kv_cache_quant_algo"), q.get("exclude_modules") or (), path)
-
-
-def _modelopt_config(config: dict, config_path) -> QuantScheme:
-    kv = config.get("kv_cache_scheme")
-    kv_algo = "FP8" if isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8 else kv
-    return _modelopt(config.get("quant_algo"), kv_algo, config.get("ignore") or (), config_path)
-
-
-def _compressed_tensors(config: dict, config_path) -> QuantScheme:
-    groups = config.get("config_groups") or {}
-    if len(groups) != 1:
-        raise UnsupportedError(f"{config_path}: compressed-tensors with {len(groups)} config groups is not supported "
-                               f"yet; supported: one group")
-    (group,) = groups.values()
-    fmt = group.get("format") or config.get("format")
-    sparsity = (config.get("sparsity_config") or {}).get("format", "dense")
-    if sparsity != "dense":
-        raise UnsupportedError(f"{config_path}: compressed-tensors sparsity format {sparsity!r} is not supported yet")
-    weights, inputs = group.get("weights") or {}, group.get("input_activations")
-    skip = list(config.get("ignore") or ())
-    targets = group.get("targets") or []
-    if any(t != "Linear" for t in targets):
-        # Anything not targeted stays dense: express "not matched by a target" as a skip rule.
-        skip.append("re:^(?!" + "|".join(_target_regex(t) for t in targets) + ").*$")
-    if fmt == "marlin-24":  # 2:4 sparsity lives in the weight layout; sparsity_config says "dense"
-        marlin24 = ct_marlin24_config(weights, inputs, config_path)
-        return QuantScheme("compressed-tensors", lambda names: CtMarlin24LinearMethod(marlin24, names), skip,
-                           marlin24.describe())
-    if weights.get("type") == "int":
-        if inputs is not None:
-            w8a8 = ct_w8a8_config(fmt, weights, inputs, config_path)
-            return QuantScheme("compressed-tensors", lambda names: CtW8A8LinearMethod(w8a8, names), skip,
-                               w8a8.describe())
-        if fmt not in ("pack-quantized", "naive-quantized", "int-quantized"):
-            raise UnsupportedError(f"{config_path}: compressed-tensors format {fmt!r} with int weights is not "
-                                   f"supported; supported: pack-quantized, naive-quantized, int-quantized")
-        cfg = ct_int_config(fmt, weights, config_path)
-        return QuantScheme("compressed-tensors", lambda names: CtIntLinearMethod(cfg, names), skip, cfg.describe())
-    if fmt != "float-quantized":
-        raise UnsupportedError(f"{config_path}: compressed-tensors format={fmt!r} is not supported yet; supported: "
-                               f"'float-quantized' (FP8), 'pack-quantized' and 'naive-quantized' (int weight-only)")
-    if weights.get("type") != "float" or weights.get("num_bits") != 8:
-        raise UnsupportedError(f"{config_path}: compressed-tensors weights {weights} are not 8-bit float")
-    if inputs is None:
-        raise UnsupportedError(f"{config_path}: fp8 weights with unquantized activations (W8A16) are not supported yet")
-    strategy = weights.get("strategy") or "tensor"
-    activation = _ct_activation(inputs, config_path)
-    if strategy == "block":
-        block = tuple(int(b) for b in weights.get("block_structure") or (128, 128))
-        layout = Fp8Layout("block", activation, block)
-    elif strategy in ("tensor", "channel"):
-        layout = Fp8Layout(strategy, activation)
-    else:
-        raise UnsupportedError(f"{config_path}: compressed-tensors fp8 weight strategy {strategy!r} is not supported")
-    kv = config.get("kv_cache_scheme")
-    return _fp8_scheme(layout, "compressed-tensors", skip, "compressed-tensors" if kv else None)
-
-
-def _target_regex(target: str) -> str:
-    if target == "Linear":
-        return ".*"
-    return target[3:] if target.startswith("re:") else re.escape(target) + "$"
-
-
-def _ct_activation(inputs: dict, config_path) -> str:
-    strategy, dynamic = inputs.get("strategy") or "tensor", inputs.get("dynamic")
-    if dynamic is True and strategy == "token":
-        return DYNAMIC_TOKEN
-    if dynamic is False and strategy == "tensor":
-        return STATIC_TENSOR
-    if dynamic is True and strategy == "group":
-        return DYNAMIC_GROUP
-    raise UnsupportedError(f"{config_path}: compressed-tensors input activations {inputs} are not supported; "
-                           f"supported: dynamic token, static tensor, dynamic group")

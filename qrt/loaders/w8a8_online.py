@@ -16,6 +16,7 @@ from qrt.kernels.int8_reference import MIN_SCALE
 from .ct_w8a8 import annotate_int8_layout
 from .errors import TensorMismatch
 from .linear import LinearMethod, check_shape, make_parameter
+from .registry import online_format
 
 
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,3 +58,8 @@ class W8A8OnlineLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, None, None, None, layer.bias)
+
+
+@online_format("w8a8", summary="int8 weights per channel, int8 activations per token")
+def w8a8_online_method(module_names) -> W8A8OnlineLinearMethod:
+    return W8A8OnlineLinearMethod(module_names=module_names)

@@ -1,4 +1,4 @@
-"""`python -m qrt` / `qrt`: generate, eval, inspect, dump, cache."""
+"""`python -m qrt` / `qrt`: generate, eval, inspect, dump, formats, cache."""
 
 import argparse
 import json
@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from qrt.loaders.errors import QrtError
+from qrt.loaders.registry import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
+                                  stored_formats)
 
 from .compiled import BUILDS
 from .evaluate import DEFAULT_WINDOW
@@ -40,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("path", nargs="?", default=None,
                          help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
         sub.add_argument("--quant", default=None,
-                         help="online quantization for a bf16 checkpoint: fp8, int4, int4-g128, int8, w8a8 "
-                              "(default: as stored)")
+                         help=f"online quantization for a bf16 checkpoint: {', '.join(online_formats())} "
+                              f"(default: as stored; `qrt formats` lists every format)")
         sub.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
         sub.add_argument("--device", default="cpu")
         sub.add_argument("--build", choices=BUILDS, default=None,
@@ -86,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("--out", default="dump", help="output folder (default: ./dump)")
     dump.add_argument("--decode-steps", type=int, default=8, help="decode steps checked for recompiles")
     dump.set_defaults(handler=_dump)
+
+    formats = commands.add_parser("formats", help="list the quantization formats qrt reads or applies")
+    formats.add_argument("--markdown", action="store_true", help="as the README's table")
+    formats.set_defaults(handler=_formats)
 
     cache = commands.add_parser("cache", help="list or clear qrt's compile cache ($QRT_CACHE_DIR/compiled)")
     cache.add_argument("action", choices=("list", "clear"))
@@ -226,6 +232,23 @@ def _check_no_recompiles(model, steps: int) -> str:
     except Exception as err:  # the stance raises a plain RuntimeError naming the guard that failed
         return f"FAILED: decode recompiled within {steps} steps: {err}"
     return f"ok: {steps} decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles"
+
+
+def _formats(args) -> int:
+    if args.markdown:
+        print(formats_markdown())
+        return 0
+    print("stored (detected from the checkpoint):")
+    for fmt in stored_formats().values():
+        print(f"  {fmt.quant_method:20s} {fmt.summary}")
+    for ct in compressed_tensors_formats().values():
+        print(f"    compressed-tensors {ct.name}: {ct.summary}")
+    for side in side_file_formats().values():
+        print(f"  {side.file_name:20s} {side.name}: {side.summary}")
+    print("online (--quant, applied to an unquantized checkpoint while it loads):")
+    for online in online_formats().values():
+        print(f"  {online.name:20s} {online.summary}; {online.lm_head_summary or 'lm_head kept as stored'}")
+    return 0
 
 
 def _cache(args) -> int:

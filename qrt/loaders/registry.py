@@ -1,0 +1,155 @@
+"""The format registry: every quantization format qrt reads from a checkpoint or applies while
+loading, registered by the module that implements it.
+
+A format module registers, next to its LinearMethod:
+- `@stored_format(quant_method, ...)`: how a `quantization_config` with that `quant_method` (in
+  config.json, or in an older export's side file) becomes a QuantScheme;
+- `@side_file(name, ...)`: a side file that marks a checkpoint as quantized when config.json says
+  nothing (ModelOpt's hf_quant_config.json);
+- `@compressed_tensors_format(name, matches=...)`: a compressed-tensors sub-format, chosen by the
+  config group it matches;
+- `@online_format(name, ...)`: a `quant=` value applied to an unquantized checkpoint.
+
+`qrt.loaders.formats` imports every format module; the accessors below import it on first use,
+so every list (the CLI's help, errors' "supported: ..." lists, `qrt formats`, the contract test)
+is the registry's.
+"""
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    quant_method: str  # quantization_config.quant_method, lower case
+    read: Callable  # (quantization config dict, source path) -> QuantScheme
+    summary: str  # one line for `qrt formats`, the README and errors
+    # For the side files older GPTQ/AWQ exports carry (quantize_config.json, quant_config.json),
+    # which may not say their quant_method: does this config look like one of this format's?
+    claims_side_file: Callable | None = None
+
+
+@dataclass(frozen=True)
+class SideFileFormat:
+    file_name: str
+    name: str  # the producer and format, e.g. "ModelOpt FP8"
+    read: Callable  # (path) -> QuantScheme, or None when the file is not this format's
+    summary: str
+
+
+@dataclass(frozen=True)
+class CompressedTensorsGroup:
+    """The one config group of a compressed-tensors config, as its sub-formats read it."""
+
+    fmt: str | None  # the group's (or the config's) `format`
+    weights: dict  # QuantizationArgs of the weights
+    inputs: dict | None  # QuantizationArgs of the input activations, None when not quantized
+    config: dict  # the whole quantization_config
+
+
+@dataclass(frozen=True)
+class CompressedTensorsFormat:
+    name: str
+    matches: Callable  # (CompressedTensorsGroup) -> bool; at most one sub-format matches a group
+    read: Callable  # (CompressedTensorsGroup, skip patterns, source) -> QuantScheme
+    summary: str
+
+
+@dataclass(frozen=True)
+class OnlineFormat:
+    name: str  # the quant= value
+    make_method: Callable  # (checkpoint module names) -> LinearMethod
+    summary: str
+    # lm_head's own method, or None: lm_head stays as stored (so do the embeddings, always)
+    make_lm_head_method: Callable | None = None
+    lm_head_summary: str = ""
+
+
+_STORED: dict[str, StoredFormat] = {}
+_SIDE_FILES: dict[str, SideFileFormat] = {}
+_COMPRESSED_TENSORS: dict[str, CompressedTensorsFormat] = {}
+_ONLINE: dict[str, OnlineFormat] = {}
+
+
+def _add(table: dict, key: str, entry) -> None:
+    if key in table:
+        raise ValueError(f"format {key!r} is registered twice")
+    table[key] = entry
+
+
+def stored_format(quant_method: str, *, summary: str, claims_side_file: Callable | None = None):
+    def register(read):
+        _add(_STORED, quant_method, StoredFormat(quant_method, read, summary, claims_side_file))
+        return read
+    return register
+
+
+def side_file(file_name: str, *, name: str, summary: str):
+    def register(read):
+        _add(_SIDE_FILES, file_name, SideFileFormat(file_name, name, read, summary))
+        return read
+    return register
+
+
+def compressed_tensors_format(name: str, *, summary: str, matches: Callable):
+    def register(read):
+        _add(_COMPRESSED_TENSORS, name, CompressedTensorsFormat(name, matches, read, summary))
+        return read
+    return register
+
+
+def online_format(name: str, *, summary: str, lm_head: Callable | None = None, lm_head_summary: str = ""):
+    def register(make_method):
+        _add(_ONLINE, name, OnlineFormat(name, make_method, summary, lm_head, lm_head_summary))
+        return make_method
+    return register
+
+
+def _registered() -> None:
+    # Format modules register themselves when imported; imported here rather than at the top so
+    # that they can import this module.
+    importlib.import_module("qrt.loaders.formats")
+
+
+def stored_formats() -> dict[str, StoredFormat]:
+    _registered()
+    return dict(_STORED)
+
+
+def side_file_formats() -> dict[str, SideFileFormat]:
+    _registered()
+    return dict(_SIDE_FILES)
+
+
+def compressed_tensors_formats() -> dict[str, CompressedTensorsFormat]:
+    _registered()
+    return dict(_COMPRESSED_TENSORS)
+
+
+def online_formats() -> dict[str, OnlineFormat]:
+    _registered()
+    return dict(_ONLINE)
+
+
+def side_file_names() -> tuple[str, ...]:
+    """Every side file that can say how a checkpoint is quantized (part of its identity)."""
+    from .quant import LEGACY_SIDE_FILES
+
+    return (*side_file_formats(), *LEGACY_SIDE_FILES)
+
+
+def formats_markdown() -> str:
+    """The format list as `qrt formats --markdown` prints it and the README shows it."""
+    lines = ["| format | detected from | what qrt reads or makes |", "|---|---|---|"]
+    for fmt in stored_formats().values():
+        lines.append(f"| `{fmt.quant_method}` | `quantization_config.quant_method` | {fmt.summary} |")
+    for ct in compressed_tensors_formats().values():
+        lines.append(f"| compressed-tensors `{ct.name}` | its config group | {ct.summary} |")
+    for side in side_file_formats().values():
+        lines.append(f"| {side.name} | `{side.file_name}` (when config.json says nothing) | {side.summary} |")
+    for online in online_formats().values():
+        lm_head = online.lm_head_summary or "lm_head kept as stored"
+        lines.append(f"| `quant=\"{online.name}\"` | asked for (unquantized checkpoint) | {online.summary}; {lm_head} |")
+    return "\n".join(lines)
+
