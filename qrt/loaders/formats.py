@@ -1,5 +1,5 @@
 """Every format module, imported so that it registers itself (registry.py). A new format is a new
-module and one line here; the order of the lines is the order in which formats are listed."""
+module and one line here."""
 
 # Stored formats, detected from a checkpoint.
 from . import fp8_checkpoint  # noqa: F401  HF fp8, ModelOpt FP8, compressed-tensors float-quantized

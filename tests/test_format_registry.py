@@ -1,0 +1,79 @@
+"""The format registry is the one list of formats: the README's table, the CLI's help and the
+errors' "supported: ..." lists all come from it."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from qrt.loaders.errors import UnsupportedError
+from qrt.loaders.quant import resolve_scheme
+from qrt.loaders.registry import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
+                                  stored_formats)
+from qrt.runtime.cli import _parser
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_format_table_is_the_registry():
+    text = README.read_text()
+    block = re.search(r"<!-- qrt formats --markdown -->\n(.*?)\n<!-- end of qrt formats -->", text, re.S)
+    assert block is not None, "README.md lost its formats block"
+    assert block.group(1) == formats_markdown(), "README.md's format table is stale: paste `qrt formats --markdown`"
+
+
+def test_every_registered_format_is_in_the_table():
+    table = formats_markdown()
+    names = [*stored_formats(), *compressed_tensors_formats(), *side_file_formats(), *online_formats()]
+    assert len(names) >= 16
+    for name in names:
+        assert name in table
+
+
+def test_quant_help_lists_the_online_formats():
+    generate = _parser()._subparsers._group_actions[0].choices["generate"]
+    help_text = next(a.help for a in generate._actions if "--quant" in a.option_strings)
+    for name in online_formats():
+        assert name in help_text
+
+
+def test_unknown_online_format_error_lists_the_registry():
+    with pytest.raises(UnsupportedError) as err:
+        resolve_scheme({}, "nf4", "config.json")
+    assert f"one of {sorted(online_formats())}" in str(err.value)
+
+
+def test_unknown_stored_format_error_lists_the_registry():
+    with pytest.raises(UnsupportedError) as err:
+        resolve_scheme({"quantization_config": {"quant_method": "bitsandbytes"}}, None, "config.json")
+    assert f"supported: {sorted(stored_formats())}" in str(err.value)
+
+
+def test_unknown_compressed_tensors_group_lists_the_sub_formats():
+    config = {"quant_method": "compressed-tensors",
+              "config_groups": {"g": {"format": "nvfp4-pack-quantized", "targets": ["Linear"],
+                                      "weights": {"type": "float", "num_bits": 4}}}}
+    with pytest.raises(UnsupportedError) as err:
+        resolve_scheme({"quantization_config": config}, None, "config.json")
+    assert "'nvfp4-pack-quantized'" in str(err.value)
+    config["config_groups"]["g"]["weights"] = {"type": "int4"}
+    with pytest.raises(UnsupportedError) as err:
+        resolve_scheme({"quantization_config": config}, None, "config.json")
+    for name in compressed_tensors_formats():
+        assert name in str(err.value)
+
+
+def test_compressed_tensors_transforms_are_refused():
+    config = {"quant_method": "compressed-tensors", "transform_config": {"config_groups": {"r": {"type": "hadamard"}}},
+              "config_groups": {"g": {"format": "pack-quantized", "targets": ["Linear"],
+                                      "weights": {"type": "int", "num_bits": 4, "strategy": "group",
+                                                  "group_size": 128}}}}
+    with pytest.raises(UnsupportedError, match="transform_config"):
+        resolve_scheme({"quantization_config": config}, None, "config.json")
+
+
+def test_a_format_registers_once():
+    from qrt.loaders.registry import online_format
+
+    with pytest.raises(ValueError, match="registered twice"):
+        online_format("fp8", summary="again")(lambda names: None)
