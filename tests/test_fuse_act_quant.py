@@ -54,7 +54,7 @@ def qrt_ops(gm) -> dict:
 
 class Block(nn.Module):
     """norm -> int8 gate_up -> silu * up -> int8 down, and a second norm -> W4A8 projection,
-    written as runtime/models/layers.py writes them."""
+    through the ops the models call (qrt::rms_norm, qrt::act_mul)."""
 
     def __init__(self, dtype, asymmetric_down=False):
         super().__init__()
@@ -75,8 +75,8 @@ class Block(nn.Module):
     def forward(self, x):
         gate, up = torch.ops.qrt.int8_linear_triton(self.norm(x), self.w_up, self.s_up, None, None, None,
                                                     None).chunk(2, dim=-1)
-        h = x + torch.ops.qrt.int8_linear_triton(F.silu(gate) * up, self.w_down, self.s_down, None, None,
-                                                 self.sums_down, None)
+        h = x + torch.ops.qrt.int8_linear_triton(torch.ops.qrt.act_mul(torch.cat([gate, up], -1), "silu"),
+                                                 self.w_down, self.s_down, None, None, self.sums_down, None)
         return torch.ops.qrt.w4a8_linear_triton(self.norm2(h), self.qweight, self.group_scales, self.channel_scales,
                                                 None, 64)
 
@@ -86,15 +86,16 @@ def test_norm_and_silu_mul_quantization_fuse_and_compute_the_same(dtype):
     block = Block(dtype)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     gm, inputs = capture(block, x)
-    assert qrt_ops(gm) == {"qrt.int8_linear_triton": 2, "qrt.w4a8_linear_triton": 1}
+    assert qrt_ops(gm) == {"qrt.int8_linear_triton": 2, "qrt.w4a8_linear_triton": 1, "qrt.rms_norm": 2,
+                           "qrt.act_mul": 1}
     fused, changed = fuse(gm)
     assert changed == 3
     assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 2, "qrt.silu_mul_quant_int8_triton": 1,
                               "qrt.int8_gemm_triton": 2, "qrt.w4a8_gemm_triton": 1}
     before, after = count_ops(gm), count_ops(fused)
-    # Gone: both norms' 8 ops (float, pow, mean, add, rsqrt, mul, to, mul) and chunk/getitem/silu/mul.
-    assert before.get("torch.rsqrt", 0) == 2 and after.get("torch.rsqrt", 0) == 0
-    assert after.get("torch.nn.functional.silu", 0) == 0
+    # Gone: both norm ops and the activation op, each computed by its fused kernel instead.
+    assert before["qrt.rms_norm"] == 2 and before["qrt.act_mul"] == 1
+    assert "qrt.rms_norm" not in after and "qrt.act_mul" not in after
     with torch.no_grad():
         expected, got = gm(*inputs)[0], fused(*inputs)[0]
     # Same roundings in the same order; only exp, the mean and rsqrt may differ in the last bit,
@@ -103,8 +104,8 @@ def test_norm_and_silu_mul_quantization_fuse_and_compute_the_same(dtype):
 
 
 def test_what_is_not_fused():
-    """Asymmetric activations (the fused kernels are symmetric), and a norm whose output has a
-    second user, keep their unfused form."""
+    """Asymmetric activations (the fused kernels are symmetric), a norm whose output has a second
+    user, and an activation other than silu keep their unfused form."""
     block = Block(torch.float32, asymmetric_down=True)
 
     def shared_norm(x):
@@ -118,6 +119,34 @@ def test_what_is_not_fused():
     assert qrt_ops(fused)["qrt.int8_linear_triton"] == 1
     gm, _ = capture(shared_norm, x)
     assert fuse(gm)[1] == 0
+
+    def gelu_mlp(y):
+        return torch.ops.qrt.int8_linear_triton(torch.ops.qrt.act_mul(y, "gelu_pytorch_tanh"), block.w_down,
+                                                block.s_down, None, None, None, None)
+
+    gm, _ = capture(gelu_mlp, torch.randn(3, 192, generator=torch.Generator().manual_seed(4)))
+    assert fuse(gm)[1] == 0
+
+
+def test_the_gemma_norm_fuses_too():
+    """Gemma's (1 + w) norm is qrt::rms_norm with unit_offset: it fuses, with its own rounding."""
+    from qrt.runtime.models.gemma import GemmaRMSNorm
+
+    block = Block(torch.bfloat16)
+    norm = GemmaRMSNorm(64, 1e-6, torch.bfloat16)
+    norm.weight.data.copy_(torch.randn(64, generator=torch.Generator().manual_seed(5)) * 0.1)
+
+    def gemma_proj(x):
+        return torch.ops.qrt.int8_linear_triton(norm(x), block.w_up, block.s_up, None, None, None, None)
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    gm, inputs = capture(gemma_proj, x)
+    fused, changed = fuse(gm)
+    assert changed == 1 and qrt_ops(fused)["qrt.rms_norm_quant_int8_triton"] == 1
+    fused_node = next(n for n in fused.graph.nodes if n.target is torch.ops.qrt.rms_norm_quant_int8_triton.default)
+    assert fused_node.args[3] is True
+    with torch.no_grad():
+        assert relative_l2(fused(*inputs)[0], gm(*inputs)[0]) < 1e-3
 
 
 def test_the_pass_runs_on_cuda_graphs_only():
@@ -144,6 +173,7 @@ def test_fuses_the_tiny_w8a8_model_graph(tmp_path, layers_once):
     changed = sum(FuseActivationQuant().run(graph, None, calls) * calls for _, graph, calls in graph_modules(fused))
     assert changed == 6
     assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 4, "qrt.silu_mul_quant_int8_triton": 2,
-                              "qrt.int8_gemm_triton": 6, "qrt.int8_linear_triton": 2}
+                              "qrt.int8_gemm_triton": 6, "qrt.int8_linear_triton": 2,
+                              "qrt.rms_norm": 1}  # the final norm feeds the dense lm_head
     with torch.no_grad():
         assert relative_l2(fused(*inputs)[0], gm(*inputs)[0]) < 1e-5

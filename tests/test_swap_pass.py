@@ -1,5 +1,7 @@
-"""The swap pass on its own: a hand-made graph, ops counted before and after."""
+"""The swap pass on its own: a hand-made graph, ops counted before and after. The pass runs the
+kernel recorded on each weight, as a loader pass records it."""
 
+import pytest
 import torch
 
 import qrt.kernels  # noqa: F401
@@ -9,12 +11,14 @@ from qrt.passes.base import count_ops
 
 
 class TwoLinears(torch.nn.Module):
-    def __init__(self, weight_dtype):
+    def __init__(self, weight_dtype, kernel=None):
         super().__init__()
         w1, s1 = quantize_rows_fp8(torch.randn(24, 16))
         w2, s2 = quantize_rows_fp8(torch.randn(8, 24))
-        self.w1, self.w2 = w1.to(weight_dtype), w2.to(weight_dtype)
+        self.w1, self.w2 = (torch.nn.Parameter(w.to(weight_dtype), requires_grad=False) for w in (w1, w2))
         self.s1, self.s2 = s1.squeeze(1), s2.squeeze(1)
+        if kernel is not None:
+            self.w1.kernel = self.w2.kernel = kernel
 
     def forward(self, x):
         h = torch.ops.qrt.fp8_linear(x, self.w1, self.s1, None)
@@ -27,8 +31,8 @@ def _compile(module, x, inductor=True):
     return backend.log, out
 
 
-def test_cpu_graph_gets_the_cpu_kernel_for_widened_weights():
-    module, x = TwoLinears(torch.float32), torch.randn(3, 16)
+def test_cpu_graph_gets_the_kernel_recorded_on_its_weights():
+    module, x = TwoLinears(torch.float32, kernel="qrt.fp8_linear_cpu"), torch.randn(3, 16)
     log, out = _compile(module, x)
     (graph,) = log.graphs
     (record,) = graph.passes
@@ -39,15 +43,21 @@ def test_cpu_graph_gets_the_cpu_kernel_for_widened_weights():
     torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_weights_on_the_cpu_keep_the_reference_op_and_say_why():
+def test_weights_without_a_recorded_kernel_keep_the_reference_op_and_say_why():
     module, x = TwoLinears(torch.float8_e4m3fn), torch.randn(3, 16)
     log, out = _compile(module, x, inductor=False)
     (graph,) = log.graphs
     assert graph.passes[0].changed == 0
     assert graph.passes[0].ops_after["qrt.fp8_linear"] == 2
-    assert all(c.kernel == "qrt.fp8_linear" and "no kernel for ('cpu', 'fp8')" in c.reason
-               for c in graph.kernel_choices)
+    assert len(graph.kernel_choices) == 2
+    assert all(c.kernel == "qrt.fp8_linear" and "no kernel recorded" in c.reason for c in graph.kernel_choices)
     torch.testing.assert_close(out, module(x))
+
+
+def test_a_kernel_that_does_not_replace_the_called_op_is_an_error():
+    module, x = TwoLinears(torch.float32, kernel="qrt.int8_linear_cpu"), torch.randn(3, 16)
+    with pytest.raises(Exception, match="chose qrt.int8_linear_cpu for this layer, whose graph calls qrt.fp8_linear"):
+        _compile(module, x, inductor=False)
 
 
 def test_count_ops_names_custom_ops_by_namespace():

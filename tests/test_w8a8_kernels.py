@@ -205,13 +205,14 @@ def _codes_agree(got, expected):
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-2
 
 
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama-norm", "gemma-norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 200), (7, 1100)])
-def test_fused_rms_norm_quantization_matches_reference(dtype, shape):
+def test_fused_rms_norm_quantization_matches_reference(dtype, shape, unit_offset):
     x = (torch.randn(*shape, generator=_gen(5)) * 2).to(dtype)
-    weight = (torch.randn(shape[-1], generator=_gen(6)) * 0.1 + 1).to(dtype)
-    _codes_agree(torch.ops.qrt.rms_norm_quant_int8_triton(x, weight, 1e-5),
-                 rms_norm_quant_int8_reference(x, weight, 1e-5))
+    weight = (torch.randn(shape[-1], generator=_gen(6)) * 0.1 + (0 if unit_offset else 1)).to(dtype)
+    _codes_agree(torch.ops.qrt.rms_norm_quant_int8_triton(x, weight, 1e-5, unit_offset),
+                 rms_norm_quant_int8_reference(x, weight, 1e-5, unit_offset))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

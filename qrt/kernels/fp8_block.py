@@ -14,6 +14,7 @@ weight, which the loader pass builds with `dequantize_block_fp8`.
 import torch
 import torch.nn.functional as F
 
+from .choices import Kernel, declare
 from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
@@ -169,3 +170,9 @@ def fp8_block_linear_cpu(x, weight, weight_scale, bias, block_n, block_k):
 
 
 _lib.impl("fp8_block_linear_cpu", fp8_block_linear_cpu, "CompositeImplicitAutograd")
+
+declare(Kernel(
+    "qrt.fp8_block_linear_cpu", devices=("cpu",), serves=("qrt.fp8_block_linear",), replaces="qrt.fp8_block_linear",
+    layout="dequantized",
+    why="CPU: the loader pass dequantized the blocks (fp8 x block scale, rounded once); Inductor fuses the "
+        "per-group activation quantization around one GEMM"))

@@ -13,6 +13,8 @@ import triton.language as tl
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from qrt.kernels.fp8_triton import _check_launchable, _gemm_config, _round_to_e4m3_grid, grouped_tile
 
+from .choices import Kernel, declare
+
 # One quantization program covers this many elements (whole groups of one row): the same 16-byte
 # loads per lane as fp8_triton's row quantizer, 8 groups of 128 per program.
 _QUANT_ELEMENTS = 1024
@@ -190,3 +192,8 @@ def fp8_block_linear_triton(
 @fp8_block_linear_triton.register_fake
 def _(x, weight, weight_scale, bias, block_n, block_k):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+declare(Kernel(
+    "qrt.fp8_block_linear_triton", devices=("cuda",), serves=("qrt.fp8_block_linear",),
+    replaces="qrt.fp8_block_linear", layout="fp8",
+    why="block fp8 on a GPU: Triton GEMM with per-block weight and per-group activation scales"))

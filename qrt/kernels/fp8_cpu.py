@@ -13,6 +13,7 @@ order and the rounding of its bf16 output differ.
 import torch
 
 from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from .choices import Kernel, declare
 from .onednn_cpu import dense_linear
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
@@ -35,3 +36,9 @@ def fp8_linear_cpu(x, weight, weight_scale, bias):
 
 
 _lib.impl("fp8_linear_cpu", fp8_linear_cpu, "CompositeImplicitAutograd")
+
+declare(Kernel(
+    "qrt.fp8_linear_cpu", devices=("cpu",), serves=("qrt.fp8_linear",), replaces="qrt.fp8_linear",
+    layout="widened", prepackable=True,
+    why="CPU: no fp8 arithmetic; the loader pass widened the fp8 weights to the model dtype (exact), Inductor fuses "
+        "the per-token activation quantization around one GEMM"))

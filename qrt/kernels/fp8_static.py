@@ -16,6 +16,7 @@ oracle) and the swap pass replaces it with a kernel for the device.
 import torch
 
 from .fp8_reference import FP8_DTYPE, FP8_MAX
+from .choices import Kernel, declare
 from .onednn_cpu import dense_linear
 
 
@@ -92,3 +93,9 @@ def fp8_static_linear_cpu(x, weight, weight_scale, input_scale, bias):
 
 
 _lib.impl("fp8_static_linear_cpu", fp8_static_linear_cpu, "CompositeImplicitAutograd")
+
+declare(Kernel(
+    "qrt.fp8_static_linear_cpu", devices=("cpu",), serves=("qrt.fp8_static_linear",),
+    replaces="qrt.fp8_static_linear", layout="widened", prepackable=True,
+    why="CPU: no fp8 arithmetic; the loader pass widened the fp8 weights to the model dtype (exact), Inductor fuses "
+        "the static-scale activation quantization around one GEMM"))

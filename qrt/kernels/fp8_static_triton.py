@@ -14,6 +14,8 @@ import triton.language as tl
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
 from qrt.kernels.fp8_triton import _check_launchable, _round_to_e4m3_grid, fp8_gemm_triton
 
+from .choices import Kernel, declare
+
 # Elements per program: 4 warps × 32 lanes × 8 bf16, one 16-byte load per lane.
 _QUANT_BLOCK_K = 1024
 
@@ -83,3 +85,8 @@ def fp8_static_linear_triton(
 @fp8_static_linear_triton.register_fake
 def _(x, weight, weight_scale, input_scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+declare(Kernel(
+    "qrt.fp8_static_linear_triton", devices=("cuda",), serves=("qrt.fp8_static_linear",),
+    replaces="qrt.fp8_static_linear", layout="fp8",
+    why="fp8 weights on a GPU: static input scale, Triton fp8 GEMM"))

@@ -12,6 +12,8 @@ import triton.language as tl
 
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
+from .choices import Kernel, declare
+
 # One program streams a row in chunks of at most this many elements: 4 warps × 32 lanes × 8
 # bf16 = 1024, one 16-byte load per lane, and a register footprint independent of K.
 _QUANT_BLOCK_K = 1024
@@ -229,3 +231,7 @@ def fp8_linear_triton(
 @fp8_linear_triton.register_fake
 def _(x, weight, weight_scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+declare(Kernel(
+    "qrt.fp8_linear_triton", devices=("cuda",), serves=("qrt.fp8_linear",), replaces="qrt.fp8_linear",
+    layout="fp8", why="fp8 weights on a GPU: Triton fp8 GEMM, fused per-token x per-channel scaling"))

@@ -22,6 +22,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from .choices import Kernel, declare
 from .int8_reference import quantize_activations_int8
 
 # ATen's AVX-512 kernel reads 16 activations at a time and has no tail: K is padded to a multiple.
@@ -75,3 +76,9 @@ def int8_linear_cpu(x, weight, weight_scale, input_scale, input_zero_point, weig
 
 
 _lib.impl("int8_linear_cpu", int8_linear_cpu, "CompositeImplicitAutograd")
+
+declare(Kernel(
+    "qrt.int8_linear_cpu", devices=("cpu",), serves=("qrt.int8_linear", "qrt.w4a8_linear"),
+    replaces="qrt.int8_linear", layout="int8",
+    why="CPU: int8 weights in ATen's int8-weight matmul, activations on the int8 grid per token (fused by "
+        "Inductor); QQQ's 4-bit codes arrive as the int8 weights they stand for"))

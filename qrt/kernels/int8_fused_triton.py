@@ -1,6 +1,6 @@
 """Triton kernels that compute an activation and quantize it to int8 per token in one pass over the
-row: `qrt::rms_norm_quant_int8_triton` (the models' RMSNorm) and `qrt::silu_mul_quant_int8_triton`
-(silu(gate) * up). The fuse_act_quant pass puts them before int8_gemm_triton / w4a8_gemm_triton
+row: `qrt::rms_norm_quant_int8_triton` (`qrt::rms_norm`, either rounding) and
+`qrt::silu_mul_quant_int8_triton` (`qrt::act_mul` with silu). The fuse_act_quant pass puts them before int8_gemm_triton / w4a8_gemm_triton
 on CUDA: the activation then leaves the kernel as int8 plus one scale per token, instead of being
 written in the model dtype and read back by a separate quantization kernel.
 
@@ -35,11 +35,19 @@ def _to_model_dtype(v, ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def _normed(x, w, inv_rms, ROUNDING: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """qrt::rms_norm's value for one block of a row, with its roundings (activation_reference.py)."""
+    if UNIT_OFFSET:
+        return _to_model_dtype((x * inv_rms) * (1.0 + w), ROUNDING)
+    return _to_model_dtype(w * _to_model_dtype(x * inv_rms, ROUNDING), ROUNDING)
+
+
+@triton.jit
 def _rms_norm_quant_kernel(
     x_ptr, w_ptr, q_ptr, scale_ptr,
     D, eps,
     stride_xm, stride_qm,
-    ROUNDING: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    ROUNDING: tl.constexpr, UNIT_OFFSET: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -57,7 +65,7 @@ def _rms_norm_quant_kernel(
         mask = offs < D
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = _to_model_dtype(w * _to_model_dtype(x * inv_rms, ROUNDING), ROUNDING)
+        h = _normed(x, w, inv_rms, ROUNDING, UNIT_OFFSET)
         amax = tl.maximum(amax, tl.abs(h))
     scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 127.0), MIN_SCALE)
     tl.store(scale_ptr + row, scale)
@@ -69,7 +77,7 @@ def _rms_norm_quant_kernel(
         mask = offs < D
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = _to_model_dtype(w * _to_model_dtype(x * inv_rms, ROUNDING), ROUNDING)
+        h = _normed(x, w, inv_rms, ROUNDING, UNIT_OFFSET)
         q = tl.clamp(round_half_even(tl.div_rn(h, scale)), -128.0, 127.0)
         tl.store(q_row + offs, q.to(tl.int8), mask=mask)
 
@@ -116,8 +124,9 @@ def _check(t: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("qrt::rms_norm_quant_int8_triton", mutates_args=())
-def rms_norm_quant_int8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm then per-token int8 quantization. x: [..., D]; weight: [D].
+def rms_norm_quant_int8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """qrt::rms_norm then per-token int8 quantization. x: [..., D]; weight: [D].
     Returns (q int8 [..., D], scale fp32 [..., 1])."""
     _check(x)
     d = x.shape[-1]
@@ -127,13 +136,14 @@ def rms_norm_quant_int8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)  # [M, 1]
     _rms_norm_quant_kernel[(m,)](
         x2, weight.contiguous(), q, scale, d, eps, x2.stride(0), q.stride(0),
-        ROUNDING=_ROUNDING[x.dtype], MIN_SCALE=MIN_SCALE, BLOCK=min(triton.next_power_of_2(d), _BLOCK), num_warps=4,
+        ROUNDING=_ROUNDING[x.dtype], UNIT_OFFSET=unit_offset, MIN_SCALE=MIN_SCALE,
+        BLOCK=min(triton.next_power_of_2(d), _BLOCK), num_warps=4,
     )
     return q.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 
 
 @rms_norm_quant_int8_triton.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, unit_offset):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
 
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation_reference import int8_input_fusions
+from .choices import Kernel, declare
 from .fp8_triton import grouped_tile
 from .int8_reference import MIN_SCALE, check_activation_scheme
 
@@ -237,3 +239,18 @@ def int8_gemm_op(
 @int8_gemm_op.register_fake
 def _(xq, x_scale, weight, weight_scale, bias, out_dtype):
     return xq.new_empty(*xq.shape[:-1], weight.shape[0], dtype=out_dtype)
+
+
+def _int8_gemm_args(args):
+    """int8_linear_triton(x, weight, weight_scale, input_scale, input_zero_point, weight_sums, bias) ->
+    int8_gemm_triton's weight-side args; only dynamic symmetric activations arrive quantized that way."""
+    _, weight, weight_scale, input_scale, input_zero_point, weight_sums, bias = args
+    return None if any(a is not None for a in (input_scale, input_zero_point, weight_sums)) else (
+        weight, weight_scale, bias)
+
+
+declare(Kernel(
+    "qrt.int8_linear_triton", devices=("cuda",), serves=("qrt.int8_linear",), replaces="qrt.int8_linear",
+    layout="int8", fusions=int8_input_fusions("qrt.int8_gemm_triton", _int8_gemm_args),
+    why="W8A8 on a GPU: Triton per-token int8 quantization, int8 GEMM with the rescale and zero-point correction "
+        "in its epilogue"))

@@ -19,6 +19,7 @@ requires it), so they are rounded to the model dtype once, at load time.
 
 import torch
 
+from .choices import Kernel, declare
 from .int_reference import unpack_rows
 
 INT4_CPU_GROUPS = (256, 128, 64, 32)
@@ -92,3 +93,15 @@ def int8pack_linear(x, weight, scales, zero_terms, bias):
 
 _lib.impl("int4pack_linear", int4pack_linear, "CompositeImplicitAutograd")
 _lib.impl("int8pack_linear", int8pack_linear, "CompositeImplicitAutograd")
+
+declare(Kernel(
+    "qrt.int4pack_linear", devices=("cpu",), serves=("qrt.int_linear",), layout="int4pack",
+    accepts=lambda bits, group_size, k, n, contiguous_groups: (
+        contiguous_groups and bits == 4 and int4_cpu_group(k, n, group_size) is not None),
+    why="CPU: the loader pass packed the 4-bit weights for ATen's int4 matmul"))
+declare(Kernel(
+    "qrt.int8pack_linear", devices=("cpu",), serves=("qrt.int_linear",), layout="int8pack",
+    # ATen's int8 kernel takes one scale per channel, and is wrong for K not a multiple of 16.
+    accepts=lambda bits, group_size, k, n, contiguous_groups: (
+        contiguous_groups and bits == 8 and group_size >= k and k % 16 == 0),
+    why="CPU: the loader pass stored int8 weights for ATen's int8 matmul"))

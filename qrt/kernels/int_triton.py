@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .fp8_triton import grouped_tile
+from .choices import Kernel, declare
 from .int_reference import pack_factor
 
 # Enough programs to cover ~2 waves on a 132-SM GPU before split-K stops adding splits.
@@ -137,3 +138,8 @@ def int_linear_triton(
 @int_linear_triton.register_fake
 def _(x, qweight, scales, zeros, perm, bias, bits, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[1])
+
+declare(Kernel(
+    "qrt.int_linear_triton", devices=("cuda",), serves=("qrt.int_linear",), replaces="qrt.int_linear",
+    layout="packed", accepts=lambda bits, group_size, k, n, contiguous_groups: contiguous_groups,
+    why="integer weights on a GPU: Triton GEMM unpacking and dequantizing the weight tile in registers"))

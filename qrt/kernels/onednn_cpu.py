@@ -13,8 +13,8 @@ At M = 1 a decode step's GEMMs on prepacked weights take about two thirds of the
 on the same bf16 weights, which reorders them on every call (`bench/cpu_bf16_gemm_options.py`;
 `bench/startup.py` measures the whole decode).
 
-Kernels whose GEMM goes through `dense_linear` take either form of weight, and say so in
-`PREPACKABLE_KERNELS`; the loader pass prepacks only the weights of those.
+Kernels whose GEMM goes through `dense_linear` take either form of weight, and say so in their
+declaration (`prepackable`); the loader prepacks only the weights of those.
 """
 
 import weakref
@@ -22,12 +22,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .choices import Kernel, declare
+
 # carrier storage address -> oneDNN-packed weight [N, K]; an entry lives as long as its carrier
 _PACKED: dict[int, torch.Tensor] = {}
-
-# Kernel ops (as the loader pass records them in `weight.kernel`) whose weight reaches the GEMM
-# only through `dense_linear`, so a prepacked carrier may stand in for it.
-PREPACKABLE_KERNELS = frozenset({"aten.linear", "qrt.fp8_linear_cpu", "qrt.fp8_static_linear_cpu"})
 
 
 def onednn_prepack_supported(dtype: torch.dtype) -> bool:
@@ -80,3 +78,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     # bias under functionalization through a path that reads the input's sizes as ints, which
     # turns a dynamic sequence length into a constant (a ConstraintViolationError).
     return F.linear(x, weight) + bias
+
+
+declare(Kernel(
+    "aten.linear", devices=("cpu", "cuda"), serves=("aten.linear", "qrt.int_linear"), layout="dense", preference=100,
+    prepackable=True, why="a dense GEMM in the model dtype: weights as stored, or dequantized where no quantized "
+                          "kernel runs them"))
+# Not chosen by a loader pass: prepack_cpu_weights (loaders/prepack.py) turns a prepackable layer's
+# dense weight into a carrier for this op after the loader pass.
+declare(Kernel(
+    "qrt.onednn_linear", devices=("cpu",), serves=(), layout="prepacked",
+    why="CPU: the loader prepacked the dense weights for oneDNN's linear"))

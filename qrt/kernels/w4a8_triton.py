@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation_reference import int8_input_fusions
+from .choices import Kernel, declare
 from .fp8_triton import grouped_tile
 from .int8_triton import gemm_config, quantize_activations_int8_triton, round_half_even
 
@@ -130,3 +132,15 @@ def w4a8_gemm_op(
 @w4a8_gemm_op.register_fake
 def _(xq, x_scale, qweight, group_scales, channel_scales, bias, group_size, out_dtype):
     return xq.new_empty(*xq.shape[:-1], qweight.shape[1], dtype=out_dtype)
+
+
+def _w4a8_gemm_args(args):
+    """w4a8_linear_triton(x, qweight, group_scales, channel_scales, bias, group_size) -> w4a8_gemm_triton's
+    weight-side args."""
+    return tuple(args[1:])
+
+
+declare(Kernel(
+    "qrt.w4a8_linear_triton", devices=("cuda",), serves=("qrt.w4a8_linear",), replaces="qrt.w4a8_linear",
+    layout="packed", fusions=int8_input_fusions("qrt.w4a8_gemm_triton", _w4a8_gemm_args),
+    why="W4A8 on a GPU: Triton int8 GEMM turning 4-bit codes into int8 weights in registers"))

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.choices import choose
 from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
 
 from .errors import TensorMismatch, UnsupportedError
@@ -151,13 +152,14 @@ class CtW8A8LinearMethod(LinearMethod):
                                          layer.input_zero_point, layer.weight_sums, layer.bias)
 
 
-def annotate_int8_layout(layer, device: torch.device, what: str) -> None:
-    """Record for `inspect` and `dump` the layout every W8A8 layer ends with: int8 [N, K], fp32
-    channel scales, run by the int8 kernel of the device."""
-    kernel = "qrt.int8_linear_triton" if device.type == "cuda" else "qrt.int8_linear_cpu"
+def annotate_int8_layout(layer, device: torch.device, what: str, logical: str = "qrt.int8_linear") -> None:
+    """Record the layout every W8A8 layer ends with, int8 [N, K] and fp32 channel scales, and the
+    device's kernel for it (`logical`: the op whose kernel runs the layer; QQQ's on the CPU)."""
+    kernel = choose(logical, device.type)
+    assert kernel.layout == "int8", kernel
     layer.weight.quant_format = what
     layer.weight.storage_layout = "int8 [N, K], fp32 channel scales"
-    layer.weight.kernel = kernel
+    layer.weight.kernel = kernel.op
 
 
 def ct_w8a8_config(fmt: str, weights: dict, inputs: dict, source) -> CtW8A8Config:

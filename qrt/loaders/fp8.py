@@ -4,9 +4,9 @@
 it), so the model never holds a layer in both bf16 and fp8. Activations are quantized per token
 at run time. Per-channel scales make fused q/k/v and gate/up trivial: every row keeps its own.
 
-Loader pass (`process_after_loading`) picks the layout for the device's kernel:
-- CUDA: fp8 weights as stored, for the Triton fp8 GEMM (`qrt::fp8_linear_triton`).
-- CPU: the CPU has no fp8 arithmetic, and converting fp8 to bf16 inside each matmul measured far
+Loader pass (`process_after_loading`) makes the layout of the device's kernel (kernels/choices.py):
+- CUDA, "fp8": fp8 weights as stored, for the Triton fp8 GEMM (`qrt::fp8_linear_triton`).
+- CPU, "widened": the CPU has no fp8 arithmetic, and converting fp8 to bf16 inside each matmul measured far
   slower than a bf16 matmul (see README). Every e4m3 value is exactly representable in bf16, so
   the weights are widened once to the model dtype: the numerics stay those of fp8, the matmul runs
   at bf16 speed. This layout costs bf16 memory; it buys exactness, not speed or size.
@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.choices import choose
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
 from .errors import TensorMismatch
@@ -61,16 +62,18 @@ class Fp8OnlineLinearMethod(LinearMethod):
         return torch.ops.qrt.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
-        if device.type == "cuda":
+        kernel = choose("qrt.fp8_linear", device.type)
+        if kernel.layout == "fp8":
             layer.weight.storage_layout = "fp8_e4m3 [N, K]"
-            layer.weight.kernel = "qrt.fp8_linear_triton"
+            layer.weight.kernel = kernel.op
             return
+        assert kernel.layout == "widened", kernel
         # Widen to the activation dtype; exact because e4m3 is a subset of bf16/fp16/fp32.
         dtype = layer.params_dtype
         replace_parameter(
             layer, "weight", layer.weight.data.to(dtype),  # [N, K] model dtype, fp8 values
             storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] holding exact fp8 values",
-            kernel="qrt.fp8_linear_cpu",
+            kernel=kernel.op,
         )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from qrt.kernels.choices import choose
 from qrt.kernels.fp8_block import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
 
@@ -129,13 +130,14 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if spec.activation == STATIC_TENSOR:
             replace_parameter(layer, "input_scale", layer.input_scale.data.max().reshape(1))  # [1]
         described = f"fp8_e4m3 [N, K], {spec.weight} scales, {spec.activation} activations ({self.family})"
-        op = {DYNAMIC_TOKEN: "fp8_linear", STATIC_TENSOR: "fp8_static_linear", DYNAMIC_GROUP: "fp8_block_linear"}
-        op = op[spec.activation]
-        if device.type == "cuda":
-            layer.weight.storage_layout, layer.weight.kernel = described, f"qrt.{op}_triton"
+        logical = {DYNAMIC_TOKEN: "qrt.fp8_linear", STATIC_TENSOR: "qrt.fp8_static_linear",
+                   DYNAMIC_GROUP: "qrt.fp8_block_linear"}[spec.activation]
+        kernel = choose(logical, device.type)
+        if kernel.layout == "fp8":
+            layer.weight.storage_layout, layer.weight.kernel = described, kernel.op
             return
         dtype = layer.params_dtype
-        if spec.weight == "block":
+        if kernel.layout == "dequantized":
             # Block scales vary along K, so they cannot be applied after the GEMM: the CPU kernel
             # takes the dequantized weight (fp8 × block scale, rounded once to the model dtype).
             # The scale grid becomes ones, so the reference op, which multiplies the two, still
@@ -147,7 +149,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         else:
             widened = layer.weight.data.to(dtype)  # exact: e4m3 is a subset of bf16
             note = "holding exact fp8 values"
-        replace_parameter(layer, "weight", widened, kernel=f"qrt.{op}_cpu",
+        replace_parameter(layer, "weight", widened, kernel=kernel.op,
                           storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] {note} ({self.family})")
 
 

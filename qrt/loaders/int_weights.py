@@ -2,14 +2,15 @@
 online int4/int8): from a layer's integer weights in a neutral form to the layout of its kernel.
 
 Each format's loader pass only has to say what its tensors mean, as `IntWeights`; this module
-reorders act-order groups, picks the kernel for the device and writes its layout:
+reorders act-order groups, asks for the kernel of `qrt::int_linear` on the device (the kernels
+declare which weights they accept, kernels/choices.py) and writes that kernel's layout:
 
-| device | weights                                     | layout after the pass                | kernel op               |
-|--------|---------------------------------------------|--------------------------------------|-------------------------|
-| CUDA   | 2/4/8-bit, contiguous groups                | int32 words along K + group scales   | `qrt::int_linear` → Triton |
-| CPU    | 4-bit, groups a multiple of 32, N % 16 == 0 | ATen int4 pack + scale/offset pairs  | `qrt::int4pack_linear`  |
-| CPU    | 8-bit, one group per channel, K % 16 == 0   | int8 [N, K] + channel scales         | `qrt::int8pack_linear`  |
-| any    | anything else                               | dequantized to the model dtype       | `aten.linear`           |
+| kernel (device)                | accepts                                     | layout after the pass               |
+|--------------------------------|---------------------------------------------|-------------------------------------|
+| `int_linear_triton` (CUDA)     | 2/4/8-bit, contiguous groups                | "packed": int32 words along K + group scales |
+| `int4pack_linear` (CPU)        | 4-bit, groups a multiple of 32, N % 16 == 0 | "int4pack": ATen int4 pack + scale/offset pairs |
+| `int8pack_linear` (CPU)        | 8-bit, one group per channel, K % 16 == 0   | "int8pack": int8 [N, K] + channel scales |
+| `aten.linear` (any)            | anything else                               | "dense": dequantized to the model dtype |
 
 The ATen CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout
 no reference can read them: on the CPU the loader pass and the kernel are one decision, and the
@@ -24,6 +25,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.choices import choose
 from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import pack_rows
 from qrt.kernels.onednn_cpu import dense_linear
@@ -31,6 +33,7 @@ from qrt.kernels.onednn_cpu import dense_linear
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .linear import ShardLayout, check_shape, make_parameter
 
+# The layouts the kernels of qrt::int_linear declare.
 PACKED, INT4PACK, INT8PACK, DENSE = "packed", "int4pack", "int8pack", "dense"
 
 
@@ -85,16 +88,11 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     k, n = w.q.shape
     grouped = _contiguous_groups(w)
     layer.register_parameter("perm", None)
-    if grouped is None:
-        layout, detail = DENSE, "act-order groups of uneven size"
-    elif device.type == "cuda":
-        layout, detail = PACKED, ""
-    elif w.bits == 4 and int4_cpu_group(k, n, w.group_size) is not None:
-        layout, detail = INT4PACK, ""
-    elif w.bits == 8 and w.scales.shape[0] == 1 and k % 16 == 0:  # ATen's int8 kernel is wrong for other K
-        layout, detail = INT8PACK, ""
-    else:
-        layout, detail = DENSE, f"no CPU kernel for {w.bits}-bit weights in groups of {w.group_size} ({n}x{k})"
+    kernel = choose("qrt.int_linear", device.type, bits=w.bits, group_size=w.group_size, k=k, n=n,
+                    contiguous_groups=grouped is not None)
+    layout = kernel.layout
+    detail = ("act-order groups of uneven size" if grouped is None
+              else f"no {device.type} kernel for {w.bits}-bit weights in groups of {w.group_size} ({n}x{k})")
     if grouped is not None:
         w, perm = grouped
         if perm is not None:
@@ -102,28 +100,28 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     if layout == PACKED:
         layer.weight = make_parameter(pack_rows(w.q, w.bits).to(device), quant_format=what,  # [K / pf, N] int32
                                       storage_layout=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
-                                      kernel="qrt.int_linear_triton")
+                                      kernel=kernel.op)
         layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(device))  # [K / G, N]
         layer.zeros = make_parameter(_exact_dtype(w.zeros, dtype).to(device))  # [K / G, N]
     elif layout == INT4PACK:
         cpu_group = int4_cpu_group(k, n, w.group_size)
         packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
                                                   dtype)
-        layer.weight = make_parameter(packed, quant_format=what, kernel="qrt.int4pack_linear",  # [N, K / 2] uint8
+        layer.weight = make_parameter(packed, quant_format=what, kernel=kernel.op,  # [N, K / 2] uint8
                                       storage_layout=f"ATen int4 CPU pack [N, K/2], g{cpu_group} scale+offset")
         layer.scale_offsets = make_parameter(scale_offsets)  # [K / g, N, 2] model dtype
         layer.cpu_group = cpu_group
     elif layout == INT8PACK:
         weight, scales, zero_terms = pack_int8_for_cpu(w.q, w.scales, w.zeros, dtype)
         asym = "" if zero_terms is None else ", zero-point correction"
-        layer.weight = make_parameter(weight, quant_format=what, kernel="qrt.int8pack_linear",  # [N, K] int8
+        layer.weight = make_parameter(weight, quant_format=what, kernel=kernel.op,  # [N, K] int8
                                       storage_layout=f"int8 [N, K], channel scales{asym}")
         layer.scales = make_parameter(scales)  # [N] model dtype
         layer.register_parameter("zero_terms", None if zero_terms is None else make_parameter(zero_terms))
     else:
         layer.weight = make_parameter(w.dequantize().to(dtype).to(device), quant_format=what,  # [N, K]
                                       storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] dequantized: {detail}",
-                                      kernel="aten.linear")
+                                      kernel=kernel.op)
     return layout
 
 

@@ -6,7 +6,8 @@ in Inductor); eager models keep their dense weights so that eager mode stays the
 
 from torch import nn
 
-from qrt.kernels.onednn_cpu import PREPACKABLE_KERNELS, onednn_prepack_supported, prepack_weight
+from qrt.kernels.choices import kernel_named
+from qrt.kernels.onednn_cpu import onednn_prepack_supported, prepack_weight
 
 from .linear import replace_parameter
 
@@ -19,11 +20,14 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (getattr(module, "quant_method", None) is None or weight is None or weight.dim() != 2
-                or weight.device.type != "cpu" or getattr(weight, "kernel", None) not in PREPACKABLE_KERNELS
+                or weight.device.type != "cpu" or not kernel_named(weight.kernel).prepackable
                 or not onednn_prepack_supported(weight.dtype)):
             continue
         layout = getattr(weight, "storage_layout", f"{weight.dtype} [N, K]".replace("torch.", ""))
-        replace_parameter(module, "weight", prepack_weight(weight.data),
+        # A dense layer's GEMM becomes the opaque op itself; a quantized kernel keeps its own op and
+        # reaches the packed weight through dense_linear.
+        kernel = "qrt.onednn_linear" if weight.kernel == "aten.linear" else weight.kernel
+        replace_parameter(module, "weight", prepack_weight(weight.data), kernel=kernel,
                           storage_layout=f"{layout}, prepacked for oneDNN (qrt.onednn_linear)")
         packed += 1
     return packed

@@ -37,6 +37,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.choices import choose
 from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN
 from qrt.kernels.int_reference import pack_rows, unpack_rows
 from qrt.kernels.w4a8_reference import w4a8_int8_weights
@@ -174,19 +175,19 @@ class QqqLinearMethod(LinearMethod):
         remove_parameters(layer, "B", "s_channel", "s_group")
         self.group_size = group_size
         what = self.cfg.describe()
-        if device.type == "cuda":
-            self.layout = "packed"
-            layer.weight = make_parameter(qweight.to(device), quant_format=what, kernel="qrt.w4a8_linear_triton",
+        kernel = choose("qrt.w4a8_linear", device.type)
+        self.layout = kernel.layout
+        if kernel.layout == "packed":
+            layer.weight = make_parameter(qweight.to(device), quant_format=what, kernel=kernel.op,
                                           storage_layout=f"int4 words along K [K/8, N], g{group_size} int8 "
                                                          f"multipliers, fp32 channel scales")
             layer.group_scales = make_parameter(group_scales.to(device))  # [K / G, N] fp32
             layer.channel_scales = make_parameter(channel_scales.to(device))  # [N] fp32
             return
-        self.layout = "int8"
         weight = w4a8_int8_weights(qweight, group_scales, group_size, layer.input_size)  # [K, N] int8
         layer.weight = make_parameter(weight.t().contiguous())  # [N, K] int8
         layer.weight_scale = make_parameter(channel_scales)  # [N] fp32
-        annotate_int8_layout(layer, device, what)
+        annotate_int8_layout(layer, device, what, logical="qrt.w4a8_linear")
 
     def _check_int8_range(self, qweight, group_scales, group_size: int, k: int) -> None:
         """QQQ's kernel wraps an int8 weight outside [-128, 127] around; a valid file has none."""

@@ -4,6 +4,7 @@ from functools import partial
 
 import torch
 
+from qrt.kernels.choices import choose
 from qrt.kernels.onednn_cpu import dense_linear
 
 from .linear import LinearMethod, copy_rows, make_parameter
@@ -25,4 +26,4 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         layer.weight.storage_layout = f"{layer.weight.dtype} [N, K]".replace("torch.", "")
-        layer.weight.kernel = "aten.linear"
+        layer.weight.kernel = choose("aten.linear", device.type).op

@@ -48,7 +48,7 @@ class QrtBackend:
         report = GraphReport(f"{self.log.label}#{len(self.log.graphs)}")
         self.log.graphs.append(report)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
-        gm = run_passes(gm, report, passes_for(device))
+        gm = run_passes(gm, report, passes_for(device), example_inputs=example_inputs)
         if not self.inductor:
             return gm.forward
         # Patched globally for the duration of the compile, not passed as compile_fx's

@@ -7,9 +7,11 @@ import torch.fx
 
 
 class GraphPass:
-    """Subclasses set `name` and implement `run(gm, report) -> int` (nodes changed).
+    """Subclasses set `name` and implement `run(gm, report, calls, values) -> int` (nodes changed).
 
-    `uuid` hashes the pass's source, so a cache keyed on it is invalidated when the pass changes.
+    `uuid` hashes the pass's source, so that a dump names the version of each pass it ran. Compiled
+    graphs are not keyed on it: Inductor's caches key on backend.source_tag(), qrt's compile cache
+    on all of qrt's sources (runtime/compile_cache.py), both of which cover the passes.
     """
 
     name = "unnamed"
@@ -19,9 +21,10 @@ class GraphPass:
         source = inspect.getsource(type(self))
         return hashlib.sha256(source.encode()).hexdigest()[:16]
 
-    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1) -> int:
+    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1, values: dict | None = None) -> int:
         """Transform one graph; `calls`: how many times one run of the compiled function runs it
-        (a nested compile region's body runs once per decoder layer)."""
+        (a nested compile region's body runs once per decoder layer); `values`: the real tensors
+        its input nodes take (see `input_values`), when the backend was given them."""
         raise NotImplementedError
 
 
@@ -39,6 +42,30 @@ def graph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphMod
                 else:
                     found[entry] = (name, found[entry][1], found[entry][2] + calls)
     return found
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [node for node in gm.graph.nodes if node.op == "placeholder"]
+
+
+def input_values(gm: torch.fx.GraphModule, example_inputs) -> dict[torch.fx.Node, list]:
+    """For the input nodes of `gm` and of every subgraph it invokes, the real values they take in
+    one run: the backend's example inputs (Dynamo hands it the model's real parameters), tensors
+    held as graph attributes, and for a nested region's body, one value per layer calling it."""
+    values: dict[torch.fx.Node, list] = {}
+    for node, value in zip(_placeholders(gm), example_inputs):
+        values[node] = [value]
+    for _, graph, _ in graph_modules(gm):  # outer graphs before the bodies they invoke
+        for node in graph.graph.nodes:
+            if node.op == "get_attr":
+                attribute = getattr(graph, node.target, None)
+                if isinstance(attribute, torch.Tensor):
+                    values[node] = [attribute]
+            elif node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
+                body = getattr(graph, node.args[0].target)
+                for placeholder, operand in zip(_placeholders(body), node.args[2:]):
+                    values.setdefault(placeholder, []).extend(values.get(operand, []))
+    return values
 
 
 def graph_code(gm: torch.fx.GraphModule) -> str:

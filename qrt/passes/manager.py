@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from .base import GraphPass, count_ops, graph_code, graph_modules
+from .base import GraphPass, count_ops, graph_code, graph_modules, input_values
 from .fuse_act_quant import FuseActivationQuant
 from .swap_linear import SwapQuantizedLinear
 
@@ -38,13 +38,17 @@ class GraphReport:
     kernel_choices: list = field(default_factory=list)
 
 
-def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PASSES, keep_code=True):
+def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PASSES, keep_code=True,
+               example_inputs=()):
+    """Run `passes` in order over `gm` and its subgraphs. example_inputs: the real inputs Dynamo
+    compiles `gm` for, from which the passes read what the loader pass recorded on the weights."""
+    values = input_values(gm, example_inputs)
     for pass_cls in passes:
         graph_pass = pass_cls()
         before_code = graph_code(gm) if keep_code else ""
         before_ops = count_ops(gm)
         # Like the op counts, a change inside a nested region's body counts once per layer calling it.
-        changed = sum(graph_pass.run(graph, report, calls) * calls for _, graph, calls in graph_modules(gm))
+        changed = sum(graph_pass.run(graph, report, calls, values) * calls for _, graph, calls in graph_modules(gm))
         report.passes.append(
             PassRecord(graph_pass.name, graph_pass.uuid, changed, before_code,
                        graph_code(gm) if keep_code else "", before_ops, count_ops(gm))

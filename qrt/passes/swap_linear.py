@@ -1,70 +1,34 @@
-"""Swap each logical quantized-linear op for the kernel op of its device and weight layout."""
+"""Put each quantized layer's kernel in the graph: the one its loader pass chose and recorded on the
+weight (`weight.kernel`, from the declarations in qrt/kernels/choices.py).
+
+A layer calls its logical op (the reference) or, for an opaque layout no reference can read, its
+kernel op itself. For every such call the pass reads the real weight the graph is run with; where
+the layer called the op that its kernel `replaces`, the kernel takes its place. The pass makes no
+choice of its own, so it cannot disagree with the layout the loader made.
+"""
 
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
-from .base import GraphPass, target_name
+from qrt.kernels.choices import kernel_named, linear_ops
 
-# logical op name -> {(device type, weight dtype kind): (kernel op name, why)}
-_CPU_WHY = "CPU: no fp8 arithmetic; the loader pass widened the weights, Inductor fuses activation quantization around one GEMM"
-KERNEL_TABLE = {
-    "qrt.fp8_linear": {
-        ("cuda", "fp8"): ("qrt.fp8_linear_triton", "fp8 weights on a GPU: Triton fp8 GEMM, fused per-token x per-channel scaling"),
-        ("cpu", "float"): ("qrt.fp8_linear_cpu", _CPU_WHY),
-    },
-    "qrt.fp8_static_linear": {
-        ("cuda", "fp8"): ("qrt.fp8_static_linear_triton", "fp8 weights on a GPU: static input scale, Triton fp8 GEMM"),
-        ("cpu", "float"): ("qrt.fp8_static_linear_cpu", _CPU_WHY),
-    },
-    "qrt.fp8_block_linear": {
-        ("cuda", "fp8"): ("qrt.fp8_block_linear_triton", "block fp8 on a GPU: Triton GEMM with per-block weight and per-group activation scales"),
-        ("cpu", "float"): ("qrt.fp8_block_linear_cpu", "CPU: the loader pass dequantized the blocks; Inductor fuses the group quantization of activations around one GEMM"),
-    },
-    "qrt.int_linear": {
-        ("cuda", "int"): ("qrt.int_linear_triton", "integer weights on a GPU: Triton GEMM unpacking and dequantizing the weight tile in registers"),
-    },
-    "qrt.int8_linear": {
-        ("cuda", "int"): ("qrt.int8_linear_triton", "W8A8 on a GPU: Triton per-token int8 quantization, int8 GEMM with the rescale and zero-point correction in its epilogue"),
-        ("cpu", "int"): ("qrt.int8_linear_cpu", "CPU: int8 weights in ATen's int8-weight matmul, activations on the int8 grid per token (fused by Inductor)"),
-    },
-    "qrt.w4a8_linear": {
-        ("cuda", "int"): ("qrt.w4a8_linear_triton", "W4A8 on a GPU: Triton int8 GEMM turning 4-bit codes into int8 weights in registers"),
-    },
-}
-# Kernel ops a layer calls directly, because the loader pass already packed its weights in the
-# kernel's own opaque layout: nothing to swap, but they are listed with the choices.
-DIRECT_KERNELS = {
-    "qrt.int4pack_linear": "CPU: the loader pass packed the 4-bit weights for ATen's int4 matmul",
-    "qrt.int8pack_linear": "CPU: the loader pass stored int8 weights for ATen's int8 matmul",
-    "qrt.onednn_linear": "CPU: the loader pass prepacked the dense weights for oneDNN's linear",
-}
+from .base import GraphPass, target_name
 
 
 @dataclass
 class KernelChoice:
     node: str  # FX node name, which encodes the layer path
-    logical_op: str
-    kernel: str
+    logical_op: str  # the op the layer called
+    kernel: str  # the op the graph runs
     reason: str
     weight_shape: tuple
     weight_dtype: str
     device: str
 
 
-def _dtype_kind(dtype: torch.dtype) -> str:
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return "fp8"
-    return "float" if dtype.is_floating_point else "int"
-
-
-def _example(node) -> torch.Tensor | None:
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _resolve_op(name: str):
+def resolve_op(name: str):
     """The op packet for 'ns.op', or None when it is not registered (e.g. Triton missing)."""
     namespace, op = name.split(".")
     try:
@@ -73,40 +37,50 @@ def _resolve_op(name: str):
         return None
 
 
+def recorded_kernel(weights: list) -> str | None:
+    """The kernel the loader pass recorded on a call's weights (one per layer calling a nested
+    region's body), or None when they carry none. Layers sharing a body must agree."""
+    kernels = {getattr(w, "kernel", None) for w in weights}
+    if len(kernels) > 1:
+        raise RuntimeError(f"layers sharing one compiled body were given different kernels {sorted(map(str, kernels))}"
+                           f"; their weights have the same shapes but different layouts")
+    return kernels.pop() if kernels else None
+
+
 class SwapQuantizedLinear(GraphPass):
     name = "swap_quantized_linear"
 
-    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1) -> int:
+    def run(self, gm: torch.fx.GraphModule, report, calls: int = 1, values=None) -> int:
         changed = 0
+        ops = linear_ops()
         for node in gm.graph.nodes:
-            if node.op != "call_function":
+            called = target_name(node.target) if node.op == "call_function" else None
+            if called not in ops:
                 continue
-            logical = target_name(node.target)
-            table = KERNEL_TABLE.get(logical)
-            if table is None and logical not in DIRECT_KERNELS:
-                continue
-            x, weight = _example(node.args[0]), _example(node.args[1])
-            if x is None or weight is None:
-                report.kernel_choices += [KernelChoice(node.name, logical, logical, "no shape metadata; kept reference",
-                                                       (), "?", "?")] * calls
-                continue
-            key = (x.device.type, _dtype_kind(weight.dtype))
-            if table is None:
-                kernel, reason = logical, DIRECT_KERNELS[logical]
+            weight_node = node.args[1]
+            weights = (values or {}).get(weight_node, [])
+            chosen = recorded_kernel(weights)
+            example = weights[0] if weights else None
+            shape = tuple(example.shape) if example is not None else ()
+            dtype = str(example.dtype).removeprefix("torch.") if example is not None else "?"
+            device = example.device.type if example is not None else "?"
+            if chosen is None:
+                kernel, reason = called, "no kernel recorded on the weight by a loader pass; kept the op as called"
             else:
-                kernel, reason = table.get(key, (logical, f"no kernel for {key}; kept the reference op"))
-            if kernel != logical:
-                op = _resolve_op(kernel)
-                if op is None:
-                    kernel, reason = logical, f"{kernel} is not registered here; kept the reference op"
-                else:
+                declared = kernel_named(chosen)
+                kernel, reason = declared.op, declared.why
+                if called not in (declared.op, declared.replaces):
+                    raise RuntimeError(f"{node.name}: the loader pass chose {declared.op} for this layer, whose graph "
+                                       f"calls {called}; {declared.op} replaces {declared.replaces}")
+                if called != declared.op:
+                    op = resolve_op(declared.op)
+                    if op is None:
+                        raise RuntimeError(f"{node.name}: the loader pass chose {declared.op}, which is not registered "
+                                           f"in this process (is Triton installed?)")
                     node.target = op
                     changed += 1
             # One choice per layer: a nested region's body stands for every layer that calls it.
-            report.kernel_choices += [
-                KernelChoice(node.name, logical, kernel, reason, tuple(weight.shape),
-                             str(weight.dtype).removeprefix("torch."), x.device.type)
-            ] * calls
+            report.kernel_choices += [KernelChoice(node.name, called, kernel, reason, shape, dtype, device)] * calls
         if changed:
             gm.graph.lint()
             gm.recompile()

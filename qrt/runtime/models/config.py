@@ -2,10 +2,10 @@
 
 from dataclasses import dataclass
 
+from qrt.kernels.activation_reference import ACTIVATIONS
 from qrt.loaders.errors import ConfigError, UnsupportedError
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SCALED_ROPES = ("linear", "llama3", "yarn", "longrope")
 
 

@@ -18,10 +18,7 @@ from .layers import DecoderLayer, RMSNorm
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight), all in fp32: Gemma checkpoints store the offset from one."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+    unit_offset = True
 
 
 class GemmaDecoderLayer(DecoderLayer):

@@ -14,22 +14,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+
 from qrt.loaders.linear import Linear, copy_rows, create_kv_scales, dequantize_kv, make_parameter, quantize_kv
 
 from .config import SLIDING_ATTENTION, ModelConfig, Rope
 
 
 class RMSNorm(nn.Module):
+    """qrt::rms_norm (qrt/kernels/activation_reference.py): normalise in fp32, scale in the model
+    dtype, as transformers' Llama does."""
+
+    unit_offset = False  # the weight is stored as its offset from one (Gemma)
+
     def __init__(self, size: int, eps: float, dtype):
         super().__init__()
         self.eps = eps
         self.weight = make_parameter(torch.empty(size, dtype=dtype), weight_loader=_copy_whole)  # [D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the model dtype, as transformers' Llama does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return torch.ops.qrt.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 class Embedding(nn.Module):
@@ -249,15 +253,9 @@ def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tenso
     return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
-
-
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul and act(gate) * up one op
+    (qrt::act_mul)."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, fused_checkpoint: bool):
         super().__init__()
@@ -270,11 +268,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(
             inter, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.down_proj")
         )
-        self.act = ACTIVATION_FUNCTIONS[cfg.hidden_act]
+        self.activation = cfg.hidden_act
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(torch.ops.qrt.act_mul(self.gate_up_proj(x), self.activation))
 
 
 class DecoderLayer(nn.Module):
