@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)

@@ -133,3 +133,14 @@ def test_int8_cpu_kernel_is_only_chosen_where_aten_computes_it_right(k, layout):
     x = _x(3, k, torch.bfloat16)
     expected = x.float() @ weights.dequantize().t()
     assert relative_l2(apply_int_layout(layout, layer, x, 8, k), expected) < 1e-2
+
+
+def test_triton_int_gemm_reads_scales_and_zeros_by_their_own_strides():
+    """GPTQ's zero points come out of unpacking transposed ([groups, N] with strides (1, groups));
+    the kernel once read them with the scales' strides."""
+    layer, _ = random_layer(128, 96, 4, 32, seed=11)
+    zeros = layer["zeros"].t().contiguous().t()  # the same values, column-major
+    assert zeros.stride() != layer["scales"].stride()
+    x = _x(3, 128)
+    out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], zeros, None, None, 4, 32)
+    assert relative_l2(out, _reference(x, layer)) < 1e-5

@@ -28,7 +28,8 @@ _MAX_SPLIT_K = 16
 def _int_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, group_size,
-    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_os, stride_om, stride_on,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+    stride_os, stride_om, stride_on,
     BITS: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -54,9 +55,11 @@ def _int_gemm_kernel(
         # Arithmetic shift of a negative word fills with ones; the mask drops them.
         q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK
         group = (offs_k // group_size).to(tl.int64)
-        sz_offsets = group[:, None] * stride_sg + cols[None, :] * stride_sn
-        scale = tl.load(s_ptr + sz_offsets, mask=in_k[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + sz_offsets, mask=in_k[:, None], other=0.0).to(tl.float32)
+        # Scales and zeros each by their own strides: a loader may hand over either one transposed.
+        scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :] * stride_sn,
+                        mask=in_k[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group[:, None] * stride_zg + cols[None, :] * stride_zn,
+                       mask=in_k[:, None], other=0.0).to(tl.float32)
         w = (q.to(tl.float32) - zero) * scale  # [BLOCK_K, BLOCK_N]
         if FP32_DOT:
             acc = tl.dot(x.to(tl.float32), w, acc=acc, input_precision="ieee")
@@ -104,7 +107,7 @@ def int_gemm_triton(x2, qweight, scales, zeros, bits: int, group_size: int) -> t
         x2, qweight, scales, zeros, out,
         m, n, k, group_size,
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        zeros.stride(0), zeros.stride(1), out.stride(0), out.stride(1), out.stride(2),
         # fp32 activations get an exact fp32 dot, not TF32. Triton's interpreter multiplies bf16
         # operands wrongly (Triton 3.7), so there the dot is done in fp32 as well.
         BITS=bits, FP32_DOT=x2.dtype == torch.float32 or triton.knobs.runtime.interpret,

@@ -42,13 +42,19 @@ class LoadConfig:
 
 @dataclass
 class DeviceConfig:
-    """Where the model runs and in which dtype (None: the checkpoint's torch_dtype)."""
+    """Where the model runs and in which dtype (None: the checkpoint's torch_dtype).
+
+    kernel_device: the device whose kernels the loader pass lays the weights out for; None: `device`.
+    Tests set "cuda" on a CPU machine: the CUDA layouts are then made in CPU memory, where the Triton
+    kernels run under TRITON_INTERPRET=1."""
 
     device: str | torch.device = "cpu"
     dtype: torch.dtype | str | None = None
+    kernel_device: str | torch.device | None = None
 
     def __post_init__(self):
         self.device = torch.device(self.device)
+        self.kernel_device = self.device if self.kernel_device is None else torch.device(self.kernel_device)
         if isinstance(self.dtype, str):
             self.dtype = parse_dtype(self.dtype)
 

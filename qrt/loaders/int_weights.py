@@ -85,6 +85,7 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
 
     `what` names the format for `inspect` (e.g. "GPTQ 4-bit g128")."""
     dtype = layer.params_dtype
+    home = w.q.device  # where the layer was loaded; `device` names the kernel's device
     k, n = w.q.shape
     grouped = _contiguous_groups(w)
     layer.register_parameter("perm", None)
@@ -96,13 +97,13 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     if grouped is not None:
         w, perm = grouped
         if perm is not None:
-            layer.perm = make_parameter(perm.to(device))  # [K] int64
+            layer.perm = make_parameter(perm.to(home))  # [K] int64
     if layout == PACKED:
-        layer.weight = make_parameter(pack_rows(w.q, w.bits).to(device), quant_format=what,  # [K / pf, N] int32
+        layer.weight = make_parameter(pack_rows(w.q, w.bits).to(home), quant_format=what,  # [K / pf, N] int32
                                       storage_layout=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
                                       kernel=kernel.op)
-        layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(device))  # [K / G, N]
-        layer.zeros = make_parameter(_exact_dtype(w.zeros, dtype).to(device))  # [K / G, N]
+        layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(home).contiguous())  # [K / G, N]
+        layer.zeros = make_parameter(_exact_dtype(w.zeros, dtype).to(home).contiguous())  # [K / G, N]
     elif layout == INT4PACK:
         cpu_group = int4_cpu_group(k, n, w.group_size)
         packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
@@ -119,7 +120,7 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
         layer.scales = make_parameter(scales)  # [N] model dtype
         layer.register_parameter("zero_terms", None if zero_terms is None else make_parameter(zero_terms))
     else:
-        layer.weight = make_parameter(w.dequantize().to(dtype).to(device), quant_format=what,  # [N, K]
+        layer.weight = make_parameter(w.dequantize().to(dtype).to(home), quant_format=what,  # [N, K]
                                       storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] dequantized: {detail}",
                                       kernel=kernel.op)
     return layout

@@ -40,7 +40,7 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
     else:
         tensors, total = checkpoint.tensors(dtype)
         stream_tensors(model, tensors, total, where=checkpoint.folder, progress=load_config.progress)
-    run_loader_pass(model, device_config.device)
+    run_loader_pass(model, device_config.kernel_device)
     if load_config.progress:
         print(f"qrt: loaded weights in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return model.eval()
@@ -136,7 +136,8 @@ def fill_random(model: nn.Module, seed: int) -> None:
 
 
 def run_loader_pass(model: nn.Module, device: torch.device) -> None:
-    """Repack every quantized layer once into the layout its kernel wants."""
+    """Repack every quantized layer once into the layout its kernel on `device` wants; the tensors
+    stay where they were loaded."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:

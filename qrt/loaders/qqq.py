@@ -178,11 +178,12 @@ class QqqLinearMethod(LinearMethod):
         kernel = choose("qrt.w4a8_linear", device.type)
         self.layout = kernel.layout
         if kernel.layout == "packed":
-            layer.weight = make_parameter(qweight.to(device), quant_format=what, kernel=kernel.op,
+            home = qweight.device  # where the layer was loaded; `device` names the kernel's device
+            layer.weight = make_parameter(qweight, quant_format=what, kernel=kernel.op,
                                           storage_layout=f"int4 words along K [K/8, N], g{group_size} int8 "
                                                          f"multipliers, fp32 channel scales")
-            layer.group_scales = make_parameter(group_scales.to(device))  # [K / G, N] fp32
-            layer.channel_scales = make_parameter(channel_scales.to(device))  # [N] fp32
+            layer.group_scales = make_parameter(group_scales.to(home))  # [K / G, N] fp32
+            layer.channel_scales = make_parameter(channel_scales.to(home))  # [N] fp32
             return
         weight = w4a8_int8_weights(qweight, group_scales, group_size, layer.input_size)  # [K, N] int8
         layer.weight = make_parameter(weight.t().contiguous())  # [N, K] int8

@@ -99,7 +99,7 @@ def compile_model(
         key, parts = entry_key({
             "checkpoint": checkpoint_identity(checkpoint.identity_files(with_weights=weights)),
             "load_format": load_config.load_format, "quant": scheme.describe(), "device": str(device_config.device),
-            "dtype": str(next(model.parameters()).dtype), "max_seq_len": max_seq_len,
+            "kernel_device": str(device_config.kernel_device), "dtype": str(next(model.parameters()).dtype), "max_seq_len": max_seq_len,
             "max_batch_size": max_batch_size, "build": build, "model": model_cls.__name__,
         })
         compile_cache = CompileCache(key, parts)
