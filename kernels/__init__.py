@@ -24,8 +24,9 @@ RMSNorm or from SiLU-and-mul into `rms_norm_quant_int8_triton` / `silu_mul_quant
 (the normalization or activation and the per-token int8 quantization in one kernel) followed by
 `int8_gemm_triton` / `w4a8_gemm_triton`, which take activations already quantized.
 
-The Triton ops are registered where Triton imports. Nothing here imports the rest of qrt;
-passes find these ops by name.
+The Triton files share their tile order, GEMM tile sizes, edge handling, rounding helpers and
+launch checks through triton_tiles.py. The Triton ops are registered where Triton imports.
+Nothing here imports the rest of qrt; passes find these ops by name.
 """
 
 from . import (fp8_block, fp8_cpu, fp8_reference, fp8_static, int8_cpu, int8_reference, int_cpu,  # noqa: F401
