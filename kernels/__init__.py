@@ -12,6 +12,10 @@ reference (so eager mode is the oracle), and kernel ops the swap pass puts in it
 | `qrt::int8_linear` (W8A8: int8 activations) | `int8_linear_cpu`       | `int8_linear_triton`       |
 | `qrt::w4a8_linear` (QQQ: 4-bit weights)     | see below               | `w4a8_linear_triton`       |
 
+A family's files are named for what they hold: `<family>_reference.py` the logical op and its
+plain-torch reference, `<family>_cpu.py` the CPU kernel ops, `<family>_triton.py` the Triton
+kernel ops (fp8_block_reference.py, fp8_block_cpu.py, fp8_block_triton.py, ...).
+
 On the CPU, integer weight-only layers are packed by the loader pass into the opaque layouts of
 ATen's int matmuls and call `int4pack_linear` / `int8pack_linear` (int_cpu.py) directly. QQQ
 layers on the CPU get the int8 weights their 4-bit codes stand for and run as W8A8.
@@ -29,8 +33,8 @@ launch checks through triton_tiles.py. The Triton ops are registered where Trito
 Nothing here imports the rest of qrt; passes find these ops by name.
 """
 
-from . import (fp8_block, fp8_cpu, fp8_reference, fp8_static, int8_cpu, int8_reference, int_cpu,  # noqa: F401
-               int_reference, onednn_cpu, w4a8_reference)
+from . import (fp8_block_cpu, fp8_block_reference, fp8_cpu, fp8_reference, fp8_static_cpu,  # noqa: F401
+               fp8_static_reference, int8_cpu, int8_reference, int_cpu, int_reference, onednn_cpu, w4a8_reference)
 
 try:
     from . import (fp8_block_triton, fp8_static_triton, fp8_triton, int8_fused_triton, int8_triton,  # noqa: F401

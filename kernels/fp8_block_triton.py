@@ -2,8 +2,9 @@
 and a block-scaled fp8 GEMM, fused behind `qrt::fp8_block_linear_triton`.
 
 `qrt::fp8_block_linear_triton` has the signature and semantics of `qrt::fp8_block_linear`
-(fp8_block.py), so the swap pass can replace one node with the other. Like fp8_triton.py it runs
-on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1, which is how the tests run it.
+(fp8_block_reference.py), so the swap pass can replace one node with the other. Like
+fp8_triton.py it runs on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1, which is
+how the tests run it.
 """
 
 import torch

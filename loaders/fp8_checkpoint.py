@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from qrt.kernels.fp8_block import dequantize_block_fp8
+from qrt.kernels.fp8_block_reference import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
 
 from .errors import TensorMismatch, UnsupportedError

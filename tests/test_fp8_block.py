@@ -1,5 +1,6 @@
-"""Block fp8 (DeepSeek-V3 / Qwen3-FP8): the reference (kernels/fp8_block.py), its CPU kernel, and
-the Triton kernels (kernels/fp8_block_triton.py), on random inputs with ragged M, N and K.
+"""Block fp8 (DeepSeek-V3 / Qwen3-FP8): the reference (kernels/fp8_block_reference.py), its CPU
+kernel (kernels/fp8_block_cpu.py) and the Triton kernels (kernels/fp8_block_triton.py), on random
+inputs with ragged M, N and K.
 
 Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which has to be
 switched on before triton is first imported.
@@ -18,12 +19,8 @@ from torch._inductor import config as inductor_config  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import qrt.kernels  # noqa: E402, F401  (registers the ops)
-from qrt.kernels.fp8_block import (  # noqa: E402
-    dequantize_block_fp8,
-    dequantize_groups_fp8,
-    fp8_block_linear_cpu,
-    quantize_groups_fp8,
-)
+from qrt.kernels.fp8_block_cpu import fp8_block_linear_cpu  # noqa: E402
+from qrt.kernels.fp8_block_reference import dequantize_block_fp8, dequantize_groups_fp8, quantize_groups_fp8  # noqa: E402
 from qrt.kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton  # noqa: E402
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
 from test_fp8_triton import BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, _assert_within, _bias  # noqa: E402
@@ -168,7 +165,7 @@ def test_cpu_kernel_matches_reference(b, t, n, k, blocks, dtype, has_bias, seed)
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 def test_cpu_kernel_compiles_with_ragged_k():
     # Inductor fuses the fake quantization into generated C++; with K = 200 = 3 groups of 64 + 8,
-    # a formulation that hits Inductor's loop-split bug (see fp8_block.py) leaves the last 8
+    # a formulation that hits Inductor's loop-split bug (see fp8_block_cpu.py) leaves the last 8
     # columns unwritten. Caches off: the compiled graph's cache key does not cover this op's
     # Python implementation, so a cached artifact could stand in for the current code.
     gen = torch.Generator().manual_seed(5)

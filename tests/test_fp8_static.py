@@ -1,5 +1,6 @@
-"""Static-activation fp8 (AutoFP8 / ModelOpt FP8): the reference (kernels/fp8_static.py), its CPU
-kernel, and the Triton kernels (kernels/fp8_static_triton.py), on random inputs.
+"""Static-activation fp8 (AutoFP8 / ModelOpt FP8): the reference (kernels/fp8_static_reference.py),
+its CPU kernel (kernels/fp8_static_cpu.py) and the Triton kernels (kernels/fp8_static_triton.py),
+on random inputs.
 
 Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which has to be
 switched on before triton is first imported.
@@ -18,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import qrt.kernels  # noqa: E402, F401  (registers the ops)
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX  # noqa: E402
-from qrt.kernels.fp8_static import fp8_static_linear_cpu, quantize_static_fp8  # noqa: E402
+from qrt.kernels.fp8_static_cpu import fp8_static_linear_cpu  # noqa: E402
+from qrt.kernels.fp8_static_reference import quantize_static_fp8  # noqa: E402
 from qrt.kernels.fp8_static_triton import quantize_static_fp8_triton  # noqa: E402
 from test_fp8_triton import (  # noqa: E402
     BF16_RTOL,
