@@ -15,7 +15,8 @@ if (_user_cache / "models").is_dir():
 os.environ["QRT_CACHE_DIR"] = str(_run_cache)
 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
-# Triton kernels run on the CPU only in interpreter mode, which must be chosen before import.
+# Triton kernels run on the CPU only in interpreter mode, which must be chosen before triton is
+# first imported: here, before any test module imports a kernel file.
 import torch  # noqa: E402  (importing torch does not import triton)
 
 if not torch.cuda.is_available():

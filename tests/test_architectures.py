@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
+                          decode_without_recompiles)
 from qrt import runtime
 from arch_checkpoints import ARCHS, make_arch_checkpoint
 from tiny_checkpoints import make_checkpoint, relative_l2
@@ -73,27 +75,20 @@ def test_one_graph_per_function_and_no_decode_recompiles(arch):
     model = arch.compiled()
     model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
     model(_ids(0, PARITY_SHAPE))  # the forward graph is not dynamic: another shape would recompile it
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    assert_one_graph_per_role(model)
     # 24 decode steps cross the sliding windows and, for Phi-3, the long-RoPE switch at 32.
-    with torch.compiler.set_stance("fail_on_recompile"):
-        model.generate(list(range(10, 27)), max_new_tokens=24, stop_at_eos=False)
-        model.generate([3, 1, 4, 1, 5], max_new_tokens=4, stop_at_eos=False)
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    decode_without_recompiles(model, list(range(10, 27)), 24)
+    decode_without_recompiles(model, [3, 1, 4, 1, 5], 4)
+    assert_one_graph_per_role(model)
 
 
 def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     model = arch.compiled("fp8")
     model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        model.generate(list(range(10, 30)), max_new_tokens=16, stop_at_eos=False)
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}
-    expected_ops = LINEARS_PER_LAYER * TINY_LAYERS
-    for role in ("prefill", "decode"):
-        (graph,) = model.backends[role].log.graphs
-        (swap,) = graph.passes
-        assert swap.ops_before.get("qrt.fp8_linear", 0) == expected_ops, role
-        assert swap.ops_after.get("qrt.fp8_linear", 0) == 0, role
-        assert swap.ops_after.get("qrt.fp8_linear_cpu", 0) == expected_ops, role
+    decode_without_recompiles(model, list(range(10, 30)), 16)
+    assert_one_graph_per_role(model, forward=False)
+    assert_every_linear_runs(model, "qrt.fp8_linear_cpu", LINEARS_PER_LAYER * TINY_LAYERS,
+                             swapped_from="qrt.fp8_linear", roles=("prefill", "decode"))
     ids = _ids(4, (1, 40))
     eager = runtime.compile_model(arch.folder, quant="fp8", compile=False, progress=False, max_seq_len=128)
     with torch.no_grad():
@@ -111,12 +106,7 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_dynamo_explain_finds_no_graph_breaks(arch, role):
     # Last in the group: explain() resets Dynamo, which discards the compiled graphs above.
-    model = arch.compiled()
-    length = 6 if role == "prefill" else 1
-    ids = torch.arange(length).view(1, -1) + 3
-    with torch.no_grad():
-        result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
-    assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
+    assert_no_graph_breaks(arch.compiled(), role)
 
 
 @pytest.fixture(scope="module")

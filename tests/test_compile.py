@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
+                          decode_without_recompiles, swap_record)
+
 CASES = [("llama_dir", None), ("llama_dir", "fp8"), ("qwen2_dir", None), ("qwen2_dir", "fp8")]
 LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
 TINY_LAYERS = 2
@@ -22,26 +25,20 @@ def warmed(request, compiled):
 @pytest.mark.parametrize("warmed", CASES, indirect=True, ids=[f"{a}-{q}" for a, q in CASES])
 def test_one_graph_per_function_and_no_decode_recompiles(warmed):
     model, _ = warmed
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    assert_one_graph_per_role(model)
     # Prompts of other lengths reuse the dynamic prefill graph; 32 decode steps never recompile.
-    with torch.compiler.set_stance("fail_on_recompile"):
-        model.generate(list(range(10, 27)), max_new_tokens=32, stop_at_eos=False)
-        model.generate([3, 1, 4, 1, 5], max_new_tokens=4, stop_at_eos=False)
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    decode_without_recompiles(model, list(range(10, 27)), 32)
+    decode_without_recompiles(model, [3, 1, 4, 1, 5], 4)
+    assert_one_graph_per_role(model)
 
 
 @pytest.mark.parametrize("warmed", CASES, indirect=True, ids=[f"{a}-{q}" for a, q in CASES])
 def test_swap_pass_replaced_every_logical_op(warmed):
     model, quant = warmed
     expected = 0 if quant is None else LINEARS_PER_LAYER * TINY_LAYERS
+    assert_every_linear_runs(model, "qrt.fp8_linear_cpu", expected, swapped_from="qrt.fp8_linear")
     for role, backend in model.backends.items():
-        (graph,) = backend.log.graphs
-        (swap,) = graph.passes
-        assert swap.ops_before.get("qrt.fp8_linear", 0) == expected, role
-        assert swap.ops_after.get("qrt.fp8_linear", 0) == 0, role
-        assert swap.ops_after.get("qrt.fp8_linear_cpu", 0) == expected, role
-        assert swap.changed == expected
-        assert [c.kernel for c in graph.kernel_choices] == ["qrt.fp8_linear_cpu"] * expected
+        _, swap = swap_record(backend.log)
         # Each role compiles one decoder-layer body, which every layer calls.
         assert swap.code_before.count("# ---- subgraph ") == 1, role
         assert f"called {TINY_LAYERS}x per run" in swap.code_before, role
@@ -49,12 +46,7 @@ def test_swap_pass_replaced_every_logical_op(warmed):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_dynamo_explain_finds_no_graph_breaks(llama_dir, compiled, role):
-    model = compiled(llama_dir, "fp8")
-    length = 6 if role == "prefill" else 1
-    ids = torch.arange(length).view(1, -1) + 3
-    with torch.no_grad():
-        result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
-    assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
+    assert_no_graph_breaks(compiled(llama_dir, "fp8"), role)
 
 
 def test_regional_build_prepacks_dense_weights_and_matches_the_frozen_build(llama_dir):
@@ -65,14 +57,12 @@ def test_regional_build_prepacks_dense_weights_and_matches_the_frozen_build(llam
     linears = [m for m in bf16.model.modules() if hasattr(m, "quant_method")]
     assert len(linears) == LINEARS_PER_LAYER * TINY_LAYERS + 1
     assert all(is_prepacked(m.weight) for m in linears)
-    (decode,) = bf16.backends["decode"].log.graphs
+    decode, _ = swap_record(bf16.backends["decode"].log)
     assert [c.kernel for c in decode.kernel_choices] == ["qrt.onednn_linear"] * len(linears)
     frozen = runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128, build="frozen")
     assert not any(is_prepacked(m.weight) for m in frozen.model.modules() if hasattr(m, "quant_method"))
     prompt = [5, 6, 7, 8]
-    with torch.compiler.set_stance("fail_on_recompile"):
-        assert bf16.generate(prompt, max_new_tokens=12, stop_at_eos=False) == \
-            frozen.generate(prompt, max_new_tokens=12, stop_at_eos=False)
+    assert decode_without_recompiles(bf16, prompt, 12) == decode_without_recompiles(frozen, prompt, 12)
     with pytest.raises(ValueError, match="needs build='frozen'"):
         runtime.compile_model(llama_dir, progress=False, autotune=True)
 
@@ -84,7 +74,6 @@ def test_frozen_build_autotuned_decode_gives_the_same_tokens_in_one_graph(llama_
     autotuned = runtime.compile_model(llama_dir, progress=False, max_seq_len=128, build="frozen", autotune=True)
     assert autotuned.backends["decode"].config_patches.get("max_autotune") is True
     prompt = [5, 6, 7, 8]
-    with torch.compiler.set_stance("fail_on_recompile"):
-        tokens = autotuned.generate(prompt, max_new_tokens=12, stop_at_eos=False)
+    tokens = decode_without_recompiles(autotuned, prompt, 12)
     assert tokens == eager.generate(prompt, max_new_tokens=12, stop_at_eos=False)
-    assert autotuned.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}
+    assert_one_graph_per_role(autotuned, forward=False)

@@ -1,32 +1,23 @@
-"""Block fp8 (DeepSeek-V3 / Qwen3-FP8): the reference (kernels/fp8_block.py), its CPU kernel, and
-the Triton kernels (kernels/fp8_block_triton.py), on random inputs with ragged M, N and K.
+"""Block fp8 (DeepSeek-V3 / Qwen3-FP8): the reference (kernels/fp8_block_reference.py), its CPU
+kernel (kernels/fp8_block_cpu.py) and the Triton kernels (kernels/fp8_block_triton.py), on random
+inputs with ragged M, N and K.
 
-Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which has to be
-switched on before triton is first imported.
+Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter (switched on in
+conftest.py).
 """
 
-import os
-
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
+from torch._inductor import config as inductor_config
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
-from torch._inductor import config as inductor_config  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-
-import qrt.kernels  # noqa: E402, F401  (registers the ops)
-from qrt.kernels.fp8_block import (  # noqa: E402
-    dequantize_block_fp8,
-    dequantize_groups_fp8,
-    fp8_block_linear_cpu,
-    quantize_groups_fp8,
-)
-from qrt.kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton  # noqa: E402
-from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
-from test_fp8_triton import BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, _assert_within, _bias  # noqa: E402
+import qrt.kernels  # noqa: F401  (registers the ops)
+from kernel_checks import BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, assert_within, random_bias
+from qrt.kernels.fp8_block_cpu import fp8_block_linear_cpu
+from qrt.kernels.fp8_block_reference import dequantize_block_fp8, dequantize_groups_fp8, quantize_groups_fp8
+from qrt.kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
 
 # Block shapes (block_n, block_k) for the interpreter: small enough to keep it fast and to give
 # several blocks, ragged ones included, for N and K up to ~200. block_k must be a multiple of 16.
@@ -147,7 +138,7 @@ def check_cpu_kernel(b, t, n, k, blocks, dtype, has_bias, seed):
         # each GEMM's output (2**-9 of its sum of |terms|, two GEMMs when K is ragged): 2**-7 of
         # the sum of |terms| covers it. Both sides then round to the nearest bf16: one step.
         tol = 2.0**-7 * bound + BF16_RTOL * expected.float().abs()
-    _assert_within(out, expected, tol)
+    assert_within(out, expected, tol)
 
 
 @settings(max_examples=30, deadline=None)
@@ -168,7 +159,7 @@ def test_cpu_kernel_matches_reference(b, t, n, k, blocks, dtype, has_bias, seed)
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 def test_cpu_kernel_compiles_with_ragged_k():
     # Inductor fuses the fake quantization into generated C++; with K = 200 = 3 groups of 64 + 8,
-    # a formulation that hits Inductor's loop-split bug (see fp8_block.py) leaves the last 8
+    # a formulation that hits Inductor's loop-split bug (see fp8_block_cpu.py) leaves the last 8
     # columns unwritten. Caches off: the compiled graph's cache key does not cover this op's
     # Python implementation, so a cached artifact could stand in for the current code.
     gen = torch.Generator().manual_seed(5)
@@ -185,7 +176,7 @@ def test_cpu_kernel_compiles_with_ragged_k():
         out = torch.compile(f, fullgraph=True)(x)
     eager = f(x)
     # Fused code may order the fp32 epilogue differently: at most one bf16 step apart.
-    _assert_within(out, eager, BF16_RTOL * eager.float().abs())
+    assert_within(out, eager, BF16_RTOL * eager.float().abs())
 
 
 # Triton ----------------------------------------------------------------------------------------
@@ -236,7 +227,7 @@ def check_linear(b, t, n, k, blocks, dtype, has_bias, seed):
     gen = torch.Generator().manual_seed(seed)
     x = _grouped_activations(gen, (b, t, k), block_k, dtype)  # [B, T, K]
     wq, ws = _block_weights(gen, n, k, block_n, block_k)
-    bias = _bias(gen, n, dtype) if has_bias else None
+    bias = random_bias(gen, n, dtype) if has_bias else None
 
     out = torch.ops.qrt.fp8_block_linear_triton(x, wq, ws, bias, block_n, block_k)
     expected = torch.ops.qrt.fp8_block_linear(x, wq, ws, bias, block_n, block_k)
@@ -248,7 +239,7 @@ def check_linear(b, t, n, k, blocks, dtype, has_bias, seed):
     if dtype != torch.float32:
         # The interpreter truncates to bf16 (up to one step off), the reference rounds (half).
         tol = tol + 1.5 * BF16_RTOL * expected.float().abs()
-    _assert_within(out, expected, tol)
+    assert_within(out, expected, tol)
 
 
 @settings(max_examples=30, deadline=None)
@@ -308,7 +299,7 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     x = _grouped_activations(gen, (2, 3, 40), 32, torch.bfloat16)  # [B, T, K]
     wq, ws = _block_weights(gen, 24, 40, 16, 32)
-    bias = _bias(gen, 24, torch.bfloat16)
+    bias = random_bias(gen, 24, torch.bfloat16)
     # test_schema is left out: its mutation check multiplies the fp8 weight, which ATen does not
     # implement for float8 tensors.
     torch.library.opcheck(

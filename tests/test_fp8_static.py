@@ -1,35 +1,23 @@
-"""Static-activation fp8 (AutoFP8 / ModelOpt FP8): the reference (kernels/fp8_static.py), its CPU
-kernel, and the Triton kernels (kernels/fp8_static_triton.py), on random inputs.
+"""Static-activation fp8 (AutoFP8 / ModelOpt FP8): the reference (kernels/fp8_static_reference.py),
+its CPU kernel (kernels/fp8_static_cpu.py) and the Triton kernels (kernels/fp8_static_triton.py),
+on random inputs.
 
-Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which has to be
-switched on before triton is first imported.
+Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter (switched on in
+conftest.py).
 """
 
-import os
-
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-
-import qrt.kernels  # noqa: E402, F401  (registers the ops)
-from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX  # noqa: E402
-from qrt.kernels.fp8_static import fp8_static_linear_cpu, quantize_static_fp8  # noqa: E402
-from qrt.kernels.fp8_static_triton import quantize_static_fp8_triton  # noqa: E402
-from test_fp8_triton import (  # noqa: E402
-    BF16_RTOL,
-    DEVICE,
-    DTYPES,
-    SUM_RTOL,
-    _assert_within,
-    _bias,
-    _sum_bound,
-    _weights,
-)
+import qrt.kernels  # noqa: F401  (registers the ops)
+from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, assert_within, fp8_sum_bound, fp8_weights,
+                           random_bias)
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
+from qrt.kernels.fp8_static_cpu import fp8_static_linear_cpu
+from qrt.kernels.fp8_static_reference import quantize_static_fp8
+from qrt.kernels.fp8_static_triton import quantize_static_fp8_triton
 
 
 def _static_inputs(
@@ -103,14 +91,14 @@ def test_cpu_kernel_matches_reference(b, t, n, k, dtype, has_bias, seed):
     dtype = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
     x, s_in = _static_inputs(gen, (b, t, k), dtype)
-    wq, ws = _weights(gen, n, k)
-    bias = _bias(gen, n, dtype) if has_bias else None
+    wq, ws = fp8_weights(gen, n, k)
+    bias = random_bias(gen, n, dtype) if has_bias else None
     # The loader widens the fp8 weight to the model dtype; e4m3 values are exact in bf16 and fp32.
     out = fp8_static_linear_cpu(x, wq.to(dtype), ws, s_in, bias)
     expected = torch.ops.qrt.fp8_static_linear(x, wq, ws, s_in, bias)
 
     assert out.dtype == dtype and out.shape == (b, t, n)
-    bound = _sum_bound(quantize_static_fp8(x.reshape(-1, k), s_in), s_in, wq, ws, bias).reshape(b, t, n)
+    bound = fp8_sum_bound(quantize_static_fp8(x.reshape(-1, k), s_in), s_in, wq, ws, bias).reshape(b, t, n)
     if dtype == torch.float32:
         # Same operands as the reference; only the summation order differs.
         tol = SUM_RTOL * bound
@@ -118,7 +106,7 @@ def test_cpu_kernel_matches_reference(b, t, n, k, dtype, has_bias, seed):
         # The GEMM's output is rounded to bf16 before scaling (half a step, 2**-9 of its sum of
         # |terms|; 2**-8 leaves room for the fp32 order), then both sides round the result.
         tol = 2.0**-8 * bound + BF16_RTOL * expected.float().abs()
-    _assert_within(out, expected, tol)
+    assert_within(out, expected, tol)
 
 
 # Triton ----------------------------------------------------------------------------------------
@@ -167,8 +155,8 @@ def test_quantize_rejects_a_non_scalar_scale():
 def check_linear(b, t, n, k, dtype, has_bias, seed):
     gen = torch.Generator().manual_seed(seed)
     x, s_in = _static_inputs(gen, (b, t, k), dtype)
-    wq, ws = _weights(gen, n, k)
-    bias = _bias(gen, n, dtype) if has_bias else None
+    wq, ws = fp8_weights(gen, n, k)
+    bias = random_bias(gen, n, dtype) if has_bias else None
 
     out = torch.ops.qrt.fp8_static_linear_triton(x, wq, ws, s_in, bias)
     expected = torch.ops.qrt.fp8_static_linear(x, wq, ws, s_in, bias)
@@ -177,11 +165,11 @@ def check_linear(b, t, n, k, dtype, has_bias, seed):
     # Codes are bit-exact (tested above) and the epilogue multiplies in the reference's order, so
     # only the order of the fp32 sum differs: K * 2**-24 of the sum of |terms| at most.
     xq = quantize_static_fp8(x.reshape(-1, k), s_in)
-    tol = SUM_RTOL * _sum_bound(xq, s_in, wq, ws, bias).reshape(b, t, n)
+    tol = SUM_RTOL * fp8_sum_bound(xq, s_in, wq, ws, bias).reshape(b, t, n)
     if dtype != torch.float32:
         # The interpreter truncates to bf16 (up to one step off), the reference rounds (half).
         tol = tol + 1.5 * BF16_RTOL * expected.float().abs()
-    _assert_within(out, expected, tol)
+    assert_within(out, expected, tol)
 
 
 @settings(max_examples=30, deadline=None)
@@ -227,8 +215,8 @@ def test_fake_impl_shape_and_dtype(op):
 def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     x, s_in = _static_inputs(gen, (2, 3, 40), torch.bfloat16)
-    wq, ws = _weights(gen, 24, 40)
-    bias = _bias(gen, 24, torch.bfloat16)
+    wq, ws = fp8_weights(gen, 24, 40)
+    bias = random_bias(gen, 24, torch.bfloat16)
     # test_schema is left out: its mutation check multiplies the fp8 weight, which ATen does not
     # implement for float8 tensors.
     torch.library.opcheck(

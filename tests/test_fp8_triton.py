@@ -1,32 +1,16 @@
-"""The Triton fp8 kernels against the plain-torch reference (fp8_reference.py).
-
-Without a GPU the kernels run on CPU tensors in Triton's interpreter, which has to be switched on
-before triton is first imported.
+"""The Triton fp8 kernels against the plain-torch reference (fp8_reference.py). Without a GPU the
+kernels run on CPU tensors in Triton's interpreter (switched on in conftest.py).
 """
 
-import os
-
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-
-from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8  # noqa: E402
-from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Relative error allowed on fp32 sums, measured against sum(|terms|) so cancellation is covered:
-# only the summation order differs from the reference, worth at most K * 2**-24 ≈ 4e-5 here.
-SUM_RTOL = 1e-4
-# One bf16 step relative to the value. The GPU rounds fp32 -> bf16 to nearest (half a step off at
-# most) but Triton's interpreter truncates (up to a whole step).
-BF16_RTOL = 2.0**-7
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, assert_within, fp8_sum_bound, fp8_weights,
+                           random_bias)
+from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
+from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton
 
 
 def _activations(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -36,35 +20,9 @@ def _activations(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtyp
     return (torch.randn(*shape, generator=gen) * mag).to(dtype).to(DEVICE)
 
 
-def _weights(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    wq, ws = quantize_rows_fp8(torch.randn(n, k, generator=gen) * 0.05)  # [N, K] fp8, [N, 1] fp32
-    return wq.to(DEVICE), ws.view(-1).to(DEVICE)
-
-
-def _bias(gen: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-
-
 def _e4m3_step(v: torch.Tensor) -> torch.Tensor:
     """One e4m3 step at the magnitude of v: 2**(exponent - 3), and 2**-9 among subnormals."""
     return torch.exp2(torch.floor(torch.log2(v.abs())).clamp(min=-6) - 3)
-
-
-def _sum_bound(xq, x_scale, wq, w_scale, bias) -> torch.Tensor:
-    """sum(|terms|) of each output of the scaled GEMM: [M, N] fp32."""
-    bound = (xq.float().abs() @ wq.float().abs().t()) * x_scale * w_scale[None, :]
-    return bound if bias is None else bound + bias.float().abs()
-
-
-def _assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> None:
-    err = (actual.float() - expected.float()).abs()
-    excess = err - tol
-    worst = int(excess.argmax())
-    assert (excess <= 0).all(), (
-        f"{int((excess > 0).sum())} of {err.numel()} outputs out of tolerance; worst at flat index "
-        f"{worst}: got {actual.flatten()[worst].item()}, expected {expected.flatten()[worst].item()}, "
-        f"tolerance {tol.flatten()[worst].item()}"
-    )
 
 
 def check_quantize(m: int, k: int, dtype: torch.dtype, seed: int, transpose: bool = False) -> None:
@@ -83,14 +41,14 @@ def check_quantize(m: int, k: int, dtype: torch.dtype, seed: int, transpose: boo
     assert same >= 0.99, f"only {same:.2%} of fp8 codes match the reference"
     # Division rounding may move a code by one e4m3 step, never more.
     step = _e4m3_step(q_ref.float()) * scale_ref * (1 + 1e-6)
-    _assert_within(q.float() * scale, q_ref.float() * scale_ref, step)
+    assert_within(q.float() * scale, q_ref.float() * scale_ref, step)
 
 
 def check_gemm(m: int, n: int, k: int, out_dtype: torch.dtype, has_bias: bool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     xq, x_scale = quantize_rows_fp8(_activations(gen, (m, k), torch.float32))  # [M, K], [M, 1]
-    wq, w_scale = _weights(gen, n, k)
-    bias = _bias(gen, n, torch.float32) if has_bias else None
+    wq, w_scale = fp8_weights(gen, n, k)
+    bias = random_bias(gen, n, torch.float32) if has_bias else None
 
     out = fp8_gemm_triton(xq, wq, x_scale, w_scale, bias, out_dtype)
 
@@ -98,28 +56,28 @@ def check_gemm(m: int, n: int, k: int, out_dtype: torch.dtype, has_bias: bool, s
     expected = (xq.float() @ wq.float().t()) * x_scale * w_scale[None, :]  # [M, N] fp32
     if bias is not None:
         expected = expected + bias
-    tol = SUM_RTOL * _sum_bound(xq, x_scale, wq, w_scale, bias)
+    tol = SUM_RTOL * fp8_sum_bound(xq, x_scale, wq, w_scale, bias)
     if out_dtype == torch.bfloat16:
         tol = tol + BF16_RTOL * expected.abs()
-    _assert_within(out, expected, tol)
+    assert_within(out, expected, tol)
 
 
 def check_linear(b: int, t: int, n: int, k: int, dtype: torch.dtype, has_bias: bool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = _activations(gen, (b, t, k), dtype)  # [B, T, K]
-    wq, w_scale = _weights(gen, n, k)
-    bias = _bias(gen, n, dtype) if has_bias else None
+    wq, w_scale = fp8_weights(gen, n, k)
+    bias = random_bias(gen, n, dtype) if has_bias else None
 
     out = torch.ops.qrt.fp8_linear_triton(x, wq, w_scale, bias)
     expected = torch.ops.qrt.fp8_linear(x, wq, w_scale, bias)
 
     assert out.dtype == dtype and out.shape == (b, t, n)
     xq, x_scale = quantize_rows_fp8(x.reshape(-1, k))
-    tol = SUM_RTOL * _sum_bound(xq, x_scale, wq, w_scale, bias).reshape(b, t, n)
+    tol = SUM_RTOL * fp8_sum_bound(xq, x_scale, wq, w_scale, bias).reshape(b, t, n)
     if dtype != torch.float32:
         # The kernel's output is up to one step off the exact value, the reference's half a step.
         tol = tol + 1.5 * BF16_RTOL * expected.float().abs()
-    _assert_within(out, expected, tol)
+    assert_within(out, expected, tol)
 
 
 @settings(max_examples=50, deadline=None)
@@ -204,8 +162,8 @@ def test_fake_impl_shape_and_dtype():
 def test_opcheck(has_bias):
     gen = torch.Generator().manual_seed(3)
     x = _activations(gen, (2, 3, 40), torch.bfloat16)
-    wq, w_scale = _weights(gen, 24, 40)
-    bias = _bias(gen, 24, torch.bfloat16) if has_bias else None
+    wq, w_scale = fp8_weights(gen, 24, 40)
+    bias = random_bias(gen, 24, torch.bfloat16) if has_bias else None
     # test_schema is left out: its mutation check multiplies the fp8 weight, which ATen does not
     # implement for float8 tensors.
     torch.library.opcheck(

@@ -12,6 +12,7 @@ from torch import nn
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
+from graph_checks import qrt_op_counts
 from qrt import runtime
 from qrt.kernels.int8_reference import weight_row_sums
 from qrt.kernels.int_reference import pack_rows
@@ -45,10 +46,6 @@ def fuse(gm):
     fused = copy.deepcopy(gm)
     changed = FuseActivationQuant().run(fused, None)
     return fused, changed
-
-
-def qrt_ops(gm) -> dict:
-    return {name: count for name, count in count_ops(gm).items() if name.startswith("qrt.")}
 
 
 class Block(nn.Module):
@@ -85,11 +82,11 @@ def test_norm_and_silu_mul_quantization_fuse_and_compute_the_same(dtype):
     block = Block(dtype)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     gm, inputs = capture(block, x)
-    assert qrt_ops(gm) == {"qrt.int8_linear_triton": 2, "qrt.w4a8_linear_triton": 1, "qrt.rms_norm": 2,
+    assert qrt_op_counts(gm) == {"qrt.int8_linear_triton": 2, "qrt.w4a8_linear_triton": 1, "qrt.rms_norm": 2,
                            "qrt.act_mul": 1}
     fused, changed = fuse(gm)
     assert changed == 3
-    assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 2, "qrt.silu_mul_quant_int8_triton": 1,
+    assert qrt_op_counts(fused) == {"qrt.rms_norm_quant_int8_triton": 2, "qrt.silu_mul_quant_int8_triton": 1,
                               "qrt.int8_gemm_triton": 2, "qrt.w4a8_gemm_triton": 1}
     before, after = count_ops(gm), count_ops(fused)
     # Gone: both norm ops and the activation op, each computed by its fused kernel instead.
@@ -115,7 +112,7 @@ def test_what_is_not_fused():
     gm, _ = capture(block, x)
     fused, changed = fuse(gm)
     assert changed == 2  # norm -> gate_up and norm2 -> W4A8; the asymmetric down_proj stays
-    assert qrt_ops(fused)["qrt.int8_linear_triton"] == 1
+    assert qrt_op_counts(fused)["qrt.int8_linear_triton"] == 1
     gm, _ = capture(shared_norm, x)
     assert fuse(gm)[1] == 0
 
@@ -141,7 +138,7 @@ def test_the_gemma_norm_fuses_too():
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     gm, inputs = capture(gemma_proj, x)
     fused, changed = fuse(gm)
-    assert changed == 1 and qrt_ops(fused)["qrt.rms_norm_quant_int8_triton"] == 1
+    assert changed == 1 and qrt_op_counts(fused)["qrt.rms_norm_quant_int8_triton"] == 1
     fused_node = next(n for n in fused.graph.nodes if n.target is torch.ops.qrt.rms_norm_quant_int8_triton.default)
     assert fused_node.args[3] is True
     with torch.no_grad():
@@ -171,7 +168,7 @@ def test_fuses_the_tiny_w8a8_model_graph(tmp_path, layers_once):
     fused = copy.deepcopy(gm)
     changed = sum(FuseActivationQuant().run(graph, None, calls) * calls for _, graph, calls in graph_modules(fused))
     assert changed == 6
-    assert qrt_ops(fused) == {"qrt.rms_norm_quant_int8_triton": 4, "qrt.silu_mul_quant_int8_triton": 2,
+    assert qrt_op_counts(fused) == {"qrt.rms_norm_quant_int8_triton": 4, "qrt.silu_mul_quant_int8_triton": 2,
                               "qrt.int8_gemm_triton": 6, "qrt.int8_linear_triton": 2,
                               "qrt.rms_norm": 1}  # the final norm feeds the dense lm_head
     with torch.no_grad():

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from graph_checks import no_recompiles
 from qrt.runtime.sampling import SamplingParams, sample
 
 
@@ -97,7 +98,7 @@ def test_batched_generation_continues_each_prompt_as_alone(llama_dir, compiled):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [7, 7, 7, 7, 7]]
     rows = batched.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False)
     assert rows == [single.generate(p, max_new_tokens=12, stop_at_eos=False) for p in prompts]
-    with torch.compiler.set_stance("fail_on_recompile"):  # same batch size, other length: no new graph
+    with no_recompiles():  # same batch size, other length: no new graph
         batched.generate_batch([p[:3] for p in prompts], max_new_tokens=20, stop_at_eos=False)
     with pytest.raises(ValueError, match="the KV cache holds 3 sequences; pass max_batch_size=4"):
         batched.generate_batch(prompts + [[1, 2, 3, 4, 5]], max_new_tokens=2)

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from int_checkpoints import ct_config, make_int_checkpoint
 from qrt.loaders.config import LoadConfig
@@ -113,18 +114,12 @@ def compiled_int(checkpoints):
 def test_compiled_graphs_have_no_breaks_no_recompiles_and_the_cpu_kernels(name, compiled_int, checkpoints):
     model = compiled_int(name)
     _, reference = checkpoints(name)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        tokens = model.generate(list(range(10, 27)), max_new_tokens=16, stop_at_eos=False)
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}
+    tokens = decode_without_recompiles(model, list(range(10, 27)), 16)
+    assert_one_graph_per_role(model, forward=False)
     (layout,) = CASES[name][4]
     kernel = {"int4pack": "qrt.int4pack_linear", "int8pack": "qrt.int8pack_linear"}[layout]
-    for role, backend in model.backends.items():
-        if not backend.log.graphs:
-            continue
-        (graph,) = backend.log.graphs
-        (swap,) = graph.passes
-        assert swap.ops_before.get(kernel, 0) == LINEARS, role
-        assert [c.kernel for c in graph.kernel_choices] == [kernel] * LINEARS
+    # The loader packed the weights for this kernel; the swap pass keeps it.
+    assert_every_linear_runs(model, kernel, LINEARS, roles=("prefill", "decode"))
     # Greedy decoding agrees with transformers on the dequantized weights.
     expected = reference.generate(torch.tensor([list(range(10, 27))]), max_new_tokens=16, do_sample=False)
     assert tokens == expected[0, 17:].tolist()
@@ -142,8 +137,7 @@ def test_online_int_quantization_compiles_and_stays_close_to_bf16(quant, layout,
     # Round-to-nearest error of random 0.02-scale weights, through 2 layers: int8 per channel
     # keeps about 2**-8 of each weight, int4 in groups about 2**-4.
     assert relative_l2(model(ids), expected) < (0.02 if quant == "int8" else 0.2)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        model.generate([3, 1, 4, 1, 5], max_new_tokens=8, stop_at_eos=False)
+    decode_without_recompiles(model, [3, 1, 4, 1, 5], 8)
 
 
 def test_dummy_load_quantizes_random_weights_through_the_online_loader(llama_dir):

@@ -12,6 +12,7 @@ from torch import nn
 
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
+from kernel_checks import random_rows
 from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import int_linear_reference, unpack_rows
 from qrt.loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
@@ -38,10 +39,6 @@ def random_layer(k, n, bits, group_size, *, act_order=False, asym=True, seed=0):
                 group_size=group), weight
 
 
-def _x(m, k, dtype=torch.float32, seed=1):
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
 def _reference(x, layer, bias=None):
     return int_linear_reference(x, layer["qweight"], layer["scales"], layer["zeros"], layer["perm"], bias,
                                 layer["bits"], layer["group_size"])
@@ -52,7 +49,7 @@ def _reference(x, layer, bias=None):
 @pytest.mark.parametrize("act_order", [False, True])
 def test_reference_equals_explicit_dequantized_matmul(bits, group_size, act_order):
     layer, weight = random_layer(80, 24, bits, group_size, act_order=act_order)
-    x = _x(3, 80)
+    x = random_rows(3, 80)
     bias = torch.randn(24)
     assert relative_l2(_reference(x, layer, bias), x @ weight + bias) < 1e-6
 
@@ -66,7 +63,7 @@ def test_cpu_int4_pack_kernel_matches_reference(k, n, group_size, act_order, dty
     packed, scale_offsets = pack_int4_for_cpu(layer["qweight"], layer["scales"], layer["zeros"],
                                               layer["group_size"], k, cpu_group, dtype)
     for m in (1, 7):
-        x = _x(m, k, dtype)
+        x = random_rows(m, k, dtype)
         out = torch.ops.qrt.int4pack_linear(x, packed, scale_offsets, layer["perm"], None, cpu_group)
         expected = _reference(x.float(), layer)
         # fp32: summation order only. bf16: scales and offsets rounded to bf16 (2**-9 relative each)
@@ -91,7 +88,7 @@ def test_cpu_int8_pack_kernel_matches_reference(asym, dtype):
     assert (zero_terms is None) == (not asym)
     bias = torch.randn(n).to(dtype)
     for m in (1, 5):
-        x = _x(m, k, dtype)
+        x = random_rows(m, k, dtype)
         out = torch.ops.qrt.int8pack_linear(x, weight, scales, zero_terms, bias)
         expected = _reference(x.float(), layer, bias.float())
         assert relative_l2(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -103,7 +100,7 @@ def test_cpu_int8_pack_kernel_matches_reference(asym, dtype):
        act_order=st.booleans(), with_bias=st.booleans())
 def test_triton_int_gemm_matches_reference(m, k, n, bits, group_size, act_order, with_bias):
     layer, _ = random_layer(k, n, bits, group_size, act_order=act_order, seed=m * k + n)
-    x = _x(m, k)
+    x = random_rows(m, k)
     bias = torch.randn(n) if with_bias else None
     out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], layer["zeros"], layer["perm"], bias,
                                           layer["bits"], layer["group_size"])
@@ -114,7 +111,7 @@ def test_triton_int_gemm_matches_reference(m, k, n, bits, group_size, act_order,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_int_gemm_half_precision_activations(dtype):
     layer, _ = random_layer(320, 72, 4, 128, act_order=True, seed=9)  # 320 = 2.5 groups of 128
-    x = _x(5, 320, dtype).reshape(1, 5, 320)  # leading batch dim is flattened and restored
+    x = random_rows(5, 320, dtype).reshape(1, 5, 320)  # leading batch dim is flattened and restored
     out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"].to(dtype), layer["zeros"].to(dtype),
                                           layer["perm"], None, 4, 128)
     assert out.shape == (1, 5, 72) and out.dtype == dtype
@@ -130,7 +127,7 @@ def test_int8_cpu_kernel_is_only_chosen_where_aten_computes_it_right(k, layout):
     layer = nn.Module()
     layer.params_dtype, layer.bias = torch.bfloat16, None
     assert install_int_weights(layer, weights, torch.device("cpu"), "test") == layout
-    x = _x(3, k, torch.bfloat16)
+    x = random_rows(3, k, torch.bfloat16)
     expected = x.float() @ weights.dequantize().t()
     assert relative_l2(apply_int_layout(layout, layer, x, 8, k), expected) < 1e-2
 
@@ -141,6 +138,6 @@ def test_triton_int_gemm_reads_scales_and_zeros_by_their_own_strides():
     layer, _ = random_layer(128, 96, 4, 32, seed=11)
     zeros = layer["zeros"].t().contiguous().t()  # the same values, column-major
     assert zeros.stride() != layer["scales"].stride()
-    x = _x(3, 128)
+    x = random_rows(3, 128)
     out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], zeros, None, None, 4, 32)
     assert relative_l2(out, _reference(x, layer)) < 1e-5

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import qrt.kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
+from graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from qrt.kernels.w4a8_reference import w4a8_int8_weights
 from qrt.loaders.ct_w8a8 import merge_static_inputs
@@ -97,15 +98,9 @@ def _check_compiled(model, eager, reference_logits, logical="qrt.int8_linear"):
     # different draws of the activation rounding noise, each the size of ACTIVATION_ROUNDING's.
     assert relative_l2(logits, eager(ids)) < ACTIVATION_ROUNDING
     model.generate([3, 4, 5], max_new_tokens=3, stop_at_eos=False)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        model.generate(list(range(20, 31)), max_new_tokens=16, stop_at_eos=False)
-    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
-    for role, backend in model.backends.items():
-        (graph,) = backend.log.graphs
-        (swap,) = graph.passes  # CPU graphs get the swap pass only
-        assert swap.ops_before.get(logical, 0) == LINEARS, role
-        assert swap.ops_after.get("qrt.int8_linear_cpu", 0) == LINEARS and swap.ops_after.get(logical, 0) == 0
-        assert [c.kernel for c in graph.kernel_choices] == ["qrt.int8_linear_cpu"] * LINEARS
+    decode_without_recompiles(model, list(range(20, 31)), 16)
+    assert_one_graph_per_role(model)
+    assert_every_linear_runs(model, "qrt.int8_linear_cpu", LINEARS, swapped_from=logical)
 
 
 @pytest.mark.parametrize("name", COMPILED)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
+from kernel_checks import random_rows
 from qrt.kernels.int8_fused_reference import rms_norm_quant_int8_reference, silu_mul_quant_int8_reference
 from qrt.kernels.int8_reference import (int8_linear_reference, quantize_activations_int8, quantize_rows_int8,
                                     weight_row_sums)
@@ -39,10 +40,6 @@ def random_int8_layer(n, k, seed=0):
     return weight, weight_scale
 
 
-def _x(m, k, dtype=torch.float32, seed=1, shift=0.0):
-    return (torch.randn(m, k, generator=_gen(seed)) + shift).to(dtype)
-
-
 def _scheme_args(name, weight):
     input_scale, zero, asym = SCHEMES[name]
     return input_scale, zero, weight_row_sums(weight) if asym else None
@@ -53,7 +50,7 @@ def test_reference_equals_explicit_dequantized_matmul(scheme):
     """The reference's correction form, s_x s_w (Σ q q_w - z Σ q_w), equals the plain product of
     the dequantized activations s_x (q - z) and weights s_w q_w."""
     weight, weight_scale = random_int8_layer(24, 80)
-    x = _x(5, 80, shift=0.7)  # off-centre rows: asymmetric zero points far from 0
+    x = random_rows(5, 80, shift=0.7)  # off-centre rows: asymmetric zero points far from 0
     bias = torch.randn(24)
     input_scale, zero_point, sums = _scheme_args(scheme, weight)
     q, s, z = quantize_activations_int8(x, input_scale, zero_point, sums is not None)
@@ -67,7 +64,7 @@ def test_reference_equals_explicit_dequantized_matmul(scheme):
 
 @pytest.mark.parametrize("asymmetric", [False, True])
 def test_dynamic_quantization_properties(asymmetric):
-    x = _x(6, 50, shift=0.5)
+    x = random_rows(6, 50, shift=0.5)
     x[2] = 0.0  # an all-zero row quantizes to its zero point and dequantizes to exactly 0
     x[3] = x[3].abs() + 1.0  # all positive: the range is widened to include 0
     q, s, z = quantize_rows_int8(x, asymmetric)
@@ -89,7 +86,7 @@ def test_cpu_int8_kernel_matches_reference(scheme, dtype, k):
     input_scale, zero_point, sums = _scheme_args(scheme, weight)
     bias = torch.randn(40).to(dtype)
     for m in (1, 7):
-        x = _x(m, k, dtype, shift=0.3)
+        x = random_rows(m, k, dtype, shift=0.3)
         out = torch.ops.qrt.int8_linear_cpu(x, weight, weight_scale, input_scale, zero_point, sums, bias)
         expected = int8_linear_reference(x, weight, weight_scale, input_scale, zero_point, sums, bias)
         assert out.dtype == dtype and out.shape == (m, 40)
@@ -110,7 +107,7 @@ def test_compiled_cpu_int8_kernel_equals_eager(scheme):
     with torch.no_grad(), torch._inductor.config.patch(freezing=True):
         compiled = torch.compile(linear, fullgraph=True, dynamic=True)
         for m in (1, 5):
-            x = _x(m, 128, shift=0.3)
+            x = random_rows(m, 128, shift=0.3)
             assert torch.equal(compiled(x), linear(x))
 
 
@@ -119,7 +116,7 @@ def test_compiled_cpu_int8_kernel_equals_eager(scheme):
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_triton_activation_quantization_matches_reference_exactly(m, k, scheme, dtype):
     input_scale, zero_point, asym = SCHEMES[scheme]
-    x = _x(m, k, dtype, seed=k, shift=0.4) * 3
+    x = random_rows(m, k, dtype, seed=k, shift=0.4) * 3
     expected = quantize_activations_int8(x, input_scale, zero_point, asym)
     got = quantize_activations_int8_triton(x, input_scale, zero_point, asym)
     for a, b in zip(got, expected):
@@ -135,7 +132,7 @@ def test_triton_int8_gemm_matches_reference(m, k, n, scheme, with_bias):
     weight, weight_scale = random_int8_layer(n, k, seed=m * k + n)
     input_scale, zero_point, sums = _scheme_args(scheme, weight)
     bias = torch.randn(n) if with_bias else None
-    x = _x(m, k, shift=0.2)
+    x = random_rows(m, k, shift=0.2)
     out = torch.ops.qrt.int8_linear_triton(x, weight, weight_scale, input_scale, zero_point, sums, bias)
     expected = int8_linear_reference(x, weight, weight_scale, input_scale, zero_point, sums, bias)
     assert out.shape == (m, n)
@@ -145,7 +142,7 @@ def test_triton_int8_gemm_matches_reference(m, k, n, scheme, with_bias):
 
 def test_triton_int8_gemm_half_precision_and_batch_dims():
     weight, weight_scale = random_int8_layer(72, 320, seed=4)
-    x = _x(5, 320, torch.bfloat16).reshape(1, 5, 320)
+    x = random_rows(5, 320, torch.bfloat16).reshape(1, 5, 320)
     out = torch.ops.qrt.int8_linear_triton(x, weight, weight_scale, None, None, None, None)
     assert out.shape == (1, 5, 72) and out.dtype == torch.bfloat16
     expected = int8_linear_reference(x, weight, weight_scale, None, None, None, None)
@@ -176,7 +173,7 @@ def test_w4a8_int8_weights_are_qqq_fp16_multiply_add():
 def test_w4a8_reference_equals_explicit_int8_weights():
     qweight, group_scales, channel_scales, group = random_w4a8_layer(192, 48, 64, seed=3)
     w8 = w4a8_int8_weights(qweight, group_scales, group, 192).double()  # [K, N]
-    x = _x(4, 192)
+    x = random_rows(4, 192)
     q, s, _ = quantize_rows_int8(x)
     expected = (s.double() * q.double()) @ (w8 * channel_scales.double())
     assert relative_l2(w4a8_linear_reference(x, qweight, group_scales, channel_scales, None, group), expected) < 1e-6
@@ -188,7 +185,7 @@ def test_w4a8_reference_equals_explicit_int8_weights():
 def test_triton_w4a8_gemm_matches_reference(m, k, n, group_size, with_bias):
     qweight, group_scales, channel_scales, group = random_w4a8_layer(k, n, group_size, seed=m + k * n)
     bias = torch.randn(n) if with_bias else None
-    x = _x(m, k)
+    x = random_rows(m, k)
     out = torch.ops.qrt.w4a8_linear_triton(x, qweight, group_scales, channel_scales, bias, group)
     expected = w4a8_linear_reference(x, qweight, group_scales, channel_scales, bias, group)
     assert out.shape == (m, n)
@@ -224,7 +221,7 @@ def test_fused_silu_mul_quantization_matches_reference(dtype, shape):
 
 def test_gemm_only_ops_match_the_full_kernels():
     weight, weight_scale = random_int8_layer(48, 160, seed=8)
-    x = _x(2, 160).reshape(2, 1, 160)
+    x = random_rows(2, 160).reshape(2, 1, 160)
     q, s, _ = quantize_rows_int8(x.reshape(2, 160))
     got = torch.ops.qrt.int8_gemm_triton(q.reshape(2, 1, 160), s.reshape(2, 1, 1), weight, weight_scale, None,
                                          torch.float32)
@@ -237,7 +234,7 @@ def test_gemm_only_ops_match_the_full_kernels():
 
 def test_inconsistent_activation_arguments_are_refused():
     weight, weight_scale = random_int8_layer(8, 32)
-    x = _x(2, 32)
+    x = random_rows(2, 32)
     with pytest.raises(ValueError, match="zero point needs a static input scale"):
         int8_linear_reference(x, weight, weight_scale, None, torch.tensor([3]), weight_row_sums(weight), None)
     with pytest.raises(ValueError, match="need weight_sums"):

@@ -2,22 +2,20 @@
 and a block-scaled fp8 GEMM, fused behind `qrt::fp8_block_linear_triton`.
 
 `qrt::fp8_block_linear_triton` has the signature and semantics of `qrt::fp8_block_linear`
-(fp8_block.py), so the swap pass can replace one node with the other. Like fp8_triton.py it runs
-on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1, which is how the tests run it.
+(fp8_block_reference.py), so the swap pass can replace one node with the other. Like
+fp8_triton.py it runs on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1, which is
+how the tests run it.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from qrt.kernels.choices import Kernel, declare
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from qrt.kernels.fp8_triton import _check_launchable, _gemm_config, _round_to_e4m3_grid, grouped_tile
-
-from .choices import Kernel, declare
-
-# One quantization program covers this many elements (whole groups of one row): the same 16-byte
-# loads per lane as fp8_triton's row quantizer, 8 groups of 128 per program.
-_QUANT_ELEMENTS = 1024
+from qrt.kernels.triton_tiles import (ROW_BLOCK, check_fp8_operands, check_launchable, flatten_rows, gemm_config,
+                                       grouped_tile, output_tiles, round_to_e4m3_grid, store_tile, unflatten_rows,
+                                       wrapped_rows_cols)
 
 
 @triton.jit
@@ -42,7 +40,7 @@ def _quantize_groups_fp8_kernel(
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), MIN_SCALE)  # [G_PER_PROG]
     tl.store(scale_ptr + row * stride_sm + groups, scale, mask=groups < NUM_GROUPS)
     q = tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + cols, _round_to_e4m3_grid(q).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * stride_qm + cols, round_to_e4m3_grid(q).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -56,10 +54,8 @@ def _fp8_block_gemm_kernel(
 ):
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows and columns past the edge wrap onto valid ones, so operand and scale loads along M and N
-    # need no mask; the masked store drops them. int64: M * K and M * N can pass 2**31.
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    # Wrapped, the rows and columns need no mask for the scale loads either.
+    rows, cols = wrapped_rows_cols(offs_m, offs_n, M, N)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
     # [BLOCK_K, BLOCK_N] read from the [N, K] weight: K-major, the operand layout fp8 MMAs want.
     b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
@@ -85,9 +81,7 @@ def _fp8_block_gemm_kernel(
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 def quantize_groups_fp8_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +90,15 @@ def quantize_groups_fp8_triton(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     x: [M, K] bf16/fp16/fp32, any strides. Returns (q [M, K] float8_e4m3fn,
     scale [M, ceil(K / group)] fp32).
     """
-    _check_launchable(x)
+    check_launchable(x, "fp8 kernels", "use qrt::fp8_block_linear")
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)  # [M, K] fp8
     scale = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)  # [M, G] fp32
     block_g = triton.next_power_of_2(group)
-    groups_per_prog = min(max(_QUANT_ELEMENTS // block_g, 1), triton.next_power_of_2(num_groups))
+    # One program covers whole groups of one row, ROW_BLOCK elements of them (8 groups of 128): the
+    # same 16-byte loads per lane as the row quantizers.
+    groups_per_prog = min(max(ROW_BLOCK // block_g, 1), triton.next_power_of_2(num_groups))
     grid = (m, triton.cdiv(num_groups, groups_per_prog))
     _quantize_groups_fp8_kernel[grid](
         x, q, scale,
@@ -133,13 +129,10 @@ def fp8_block_gemm_triton(
     Returns [M, N] in out_dtype. block_k must be a multiple of 16 (the K tile divides it and
     tl.dot needs K >= 16).
     """
-    _check_launchable(xq)
+    check_launchable(xq, "fp8 kernels", "use qrt::fp8_block_linear")
     m, k = xq.shape
     n = weight.shape[0]
-    if xq.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8 GEMM takes {FP8_DTYPE} operands, got {xq.dtype} and {weight.dtype}")
-    if weight.shape[1] != k:
-        raise ValueError(f"fp8 GEMM: activations have K={k} but the weight is {tuple(weight.shape)}")
+    check_fp8_operands(xq, weight)
     x_scale_shape = (m, triton.cdiv(k, block_k))
     w_scale_shape = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     if tuple(x_scale.shape) != x_scale_shape or tuple(weight_scale.shape) != w_scale_shape:
@@ -149,14 +142,14 @@ def fp8_block_gemm_triton(
         )
     if block_k % 16:
         raise ValueError(f"block fp8 GEMM: block_k={block_k} is not a multiple of 16")
-    cfg = _gemm_config(m)
+    cfg = gemm_config(m)
     # The largest power of two dividing block_k, capped by the tile size chosen for m: each K
     # tile then lies in a single scale block (128 for the checkpoints in use).
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], block_k & -block_k)
     if bias is not None:
         bias = bias.contiguous()  # [N]
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)  # [M, N]
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (output_tiles(m, n, cfg),)
     _fp8_block_gemm_kernel[grid](
         xq, weight, out, x_scale, weight_scale, bias,
         m, n, k,
@@ -183,10 +176,9 @@ def fp8_block_linear_triton(
     weight_scale: [ceil(N / block_n), ceil(K / block_k)] fp32; bias: [N] or None.
     Returns [..., N] in x.dtype.
     """
-    k = x.shape[-1]
-    xq, x_scale = quantize_groups_fp8_triton(x.reshape(-1, k), block_k)  # [M, K] fp8, [M, G] fp32
+    xq, x_scale = quantize_groups_fp8_triton(flatten_rows(x), block_k)  # [M, K] fp8, [M, G] fp32
     out = fp8_block_gemm_triton(xq, weight, x_scale, weight_scale, bias, block_n, block_k, x.dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
+    return unflatten_rows(out, x)  # [..., N]
 
 
 @fp8_block_linear_triton.register_fake

@@ -3,8 +3,9 @@ checkpoint's input scale, then fp8_triton's scaled fp8 GEMM, fused behind
 `qrt::fp8_static_linear_triton`.
 
 `qrt::fp8_static_linear_triton` has the signature and semantics of `qrt::fp8_static_linear`
-(fp8_static.py), so the swap pass can replace one node with the other. Like fp8_triton.py it runs
-on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1, which is how the tests run it.
+(fp8_static_reference.py), so the swap pass can replace one node with the other. Like
+fp8_triton.py it runs on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1, which is
+how the tests run it.
 """
 
 import torch
@@ -12,12 +13,10 @@ import triton
 import triton.language as tl
 
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
-from qrt.kernels.fp8_triton import _check_launchable, _round_to_e4m3_grid, fp8_gemm_triton
+from qrt.kernels.fp8_triton import fp8_gemm_triton
+from qrt.kernels.triton_tiles import check_launchable, flatten_rows, round_to_e4m3_grid, row_block, unflatten_rows
 
 from .choices import Kernel, declare
-
-# Elements per program: 4 warps × 32 lanes × 8 bf16, one 16-byte load per lane.
-_QUANT_BLOCK_K = 1024
 
 
 @triton.jit
@@ -36,7 +35,7 @@ def _quantize_static_fp8_kernel(
     # div_rn: Triton's `/` on fp32 is approximate on the GPU; codes must match the reference's
     # IEEE division bit for bit.
     q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + offs, _round_to_e4m3_grid(q).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * stride_qm + offs, round_to_e4m3_grid(q).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_static_fp8_triton(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -44,12 +43,12 @@ def quantize_static_fp8_triton(x: torch.Tensor, input_scale: torch.Tensor) -> to
 
     x: [M, K] bf16/fp16/fp32, any strides; input_scale: [1] fp32. Returns [M, K] float8_e4m3fn.
     """
-    _check_launchable(x)
+    check_launchable(x, "fp8 kernels", "use qrt::fp8_static_linear")
     m, k = x.shape
     if input_scale.numel() != 1:
         raise ValueError(f"static fp8: input_scale must hold one value, got shape {tuple(input_scale.shape)}")
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)  # [M, K] fp8
-    block_k = min(triton.next_power_of_2(k), _QUANT_BLOCK_K)
+    block_k = row_block(k)  # elements per program: the row is split along K over programs
     _quantize_static_fp8_kernel[(m, triton.cdiv(k, block_k))](
         x, q, input_scale.float(),
         k,
@@ -73,13 +72,12 @@ def fp8_static_linear_triton(
     x: [..., K] bf16/fp16/fp32; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32;
     input_scale: [1] fp32; bias: [N] or None. Returns [..., N] in x.dtype.
     """
-    k = x.shape[-1]
-    x2d = x.reshape(-1, k)  # [M, K]
+    x2d = flatten_rows(x)  # [M, K]
     xq = quantize_static_fp8_triton(x2d, input_scale)  # [M, K] fp8
     # The GEMM takes a per-token scale; a static scale is the same for every token.
     x_scale = input_scale.float().reshape(1, 1).expand(x2d.shape[0], 1)  # [M, 1] fp32
     out = fp8_gemm_triton(xq, weight, x_scale, weight_scale, bias, x.dtype)  # [M, N]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return unflatten_rows(out, x)
 
 
 @fp8_static_linear_triton.register_fake

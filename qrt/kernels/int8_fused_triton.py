@@ -14,9 +14,7 @@ import triton
 import triton.language as tl
 
 from .int8_reference import MIN_SCALE
-from .int8_triton import round_half_even
-
-_BLOCK = 1024  # elements of a row per step
+from .triton_tiles import check_launchable, round_half_even, row_block
 
 # How a value produced in fp32 is rounded to the model dtype.
 _ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -116,9 +114,7 @@ def _silu_mul_quant_kernel(
 
 
 def _check(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise RuntimeError(f"the fused int8 quantization kernels need CUDA tensors, got {t.device}; CPU tensors run "
-                           f"only under TRITON_INTERPRET=1 (tests)")
+    check_launchable(t, "fused int8 quantization kernels")
     if t.dtype not in _ROUNDING:
         raise ValueError(f"fused int8 quantization takes fp32/bf16/fp16 activations, got {t.dtype}")
 
@@ -136,8 +132,7 @@ def rms_norm_quant_int8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)  # [M, 1]
     _rms_norm_quant_kernel[(m,)](
         x2, weight.contiguous(), q, scale, d, eps, x2.stride(0), q.stride(0),
-        ROUNDING=_ROUNDING[x.dtype], UNIT_OFFSET=unit_offset, MIN_SCALE=MIN_SCALE,
-        BLOCK=min(triton.next_power_of_2(d), _BLOCK), num_warps=4,
+        ROUNDING=_ROUNDING[x.dtype], UNIT_OFFSET=unit_offset, MIN_SCALE=MIN_SCALE, BLOCK=row_block(d), num_warps=4,
     )
     return q.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 
@@ -159,7 +154,7 @@ def silu_mul_quant_int8_triton(y: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     scale = torch.empty((m, 1), dtype=torch.float32, device=y.device)  # [M, 1]
     _silu_mul_quant_kernel[(m,)](
         y2, q, scale, inter, y2.stride(0), q.stride(0),
-        ROUNDING=_ROUNDING[y.dtype], MIN_SCALE=MIN_SCALE, BLOCK=min(triton.next_power_of_2(inter), _BLOCK),
+        ROUNDING=_ROUNDING[y.dtype], MIN_SCALE=MIN_SCALE, BLOCK=row_block(inter),
         num_warps=4,
     )
     return q.reshape(*y.shape[:-1], inter), scale.reshape(*y.shape[:-1], 1)

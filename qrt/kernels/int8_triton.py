@@ -16,20 +16,9 @@ import triton.language as tl
 
 from .activation_reference import int8_input_fusions
 from .choices import Kernel, declare
-from .fp8_triton import grouped_tile
 from .int8_reference import MIN_SCALE, check_activation_scheme
-
-# One program streams a row in chunks of at most this many elements (as the fp8 quantizer).
-_QUANT_BLOCK_K = 1024
-
-
-@triton.jit
-def round_half_even(v):
-    """fp32 v with |v| < 2**22, rounded to an integer, ties to even (torch.round), still fp32.
-
-    Adding 1.5 * 2**23 moves v where fp32's step is 1, so the IEEE add itself rounds to nearest
-    even; subtracting it back is exact. No libdevice call, so the interpreter runs the same code."""
-    return (v + 12582912.0) - 12582912.0
+from .triton_tiles import (check_launchable, flatten_rows, gemm_config, grouped_tile, output_tiles, round_half_even,
+                           row_block, store_tile, unflatten_rows, wrapped_rows_cols)
 
 
 @triton.jit
@@ -81,17 +70,11 @@ def _quantize_rows_int8_kernel(
         tl.store(q_row + offs, tl.clamp(v, -128.0, 127.0).to(tl.int8), mask=mask)
 
 
-def _check_launchable(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise RuntimeError(f"the Triton int8 kernels need CUDA tensors, got a tensor on {t.device}; CPU tensors run "
-                           f"only under TRITON_INTERPRET=1 (tests); on the CPU use qrt::int8_linear")
-
-
 def quantize_activations_int8_triton(x2, input_scale, input_zero_point, asymmetric: bool):
     """Same results as `quantize_activations_int8` (int8_reference.py).
 
     x2: [M, K] bf16/fp16/fp32. Returns (q [M, K] int8, scale [M, 1] fp32, zero [M, 1] int32 or None)."""
-    _check_launchable(x2)
+    check_launchable(x2, "int8 kernels", "use qrt::int8_linear")
     m, k = x2.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x2.device)  # [M, K]
     static = input_scale is not None
@@ -108,7 +91,7 @@ def quantize_activations_int8_triton(x2, input_scale, input_zero_point, asymmetr
         k,
         x2.stride(0), x2.stride(1), q.stride(0),
         STATIC=static, ASYMMETRIC=zero is not None, MIN_SCALE=MIN_SCALE,
-        BLOCK_K=min(triton.next_power_of_2(k), _QUANT_BLOCK_K), num_warps=4,
+        BLOCK_K=row_block(k), num_warps=4,
     )
     return q, scale, zero
 
@@ -123,10 +106,7 @@ def _int8_gemm_kernel(
 ):
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # Edge rows and columns wrap onto valid ones so loads along M and N need no mask; the masked
-    # store drops them. int64: M * K and M * N can pass 2**31.
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    rows, cols = wrapped_rows_cols(offs_m, offs_n, M, N)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N] of [N, K]
 
@@ -150,19 +130,7 @@ def _int8_gemm_kernel(
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-def gemm_config(m: int) -> dict:
-    """Tiles for an [m, K] x [K, N] int8 GEMM, chosen by m alone. BLOCK_K >= 32: the int8 MMA's k."""
-    if m <= 16:
-        # Decode: one 16-row tile, narrow N tiles so a 4096-wide layer still spreads over the SMs.
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4)
-    if m <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    # Prefill: int8 tiles take half the shared memory of bf16 ones at the same K depth.
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+    store_tile(c_ptr, out, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 def int8_gemm_triton(xq, x_scale, x_zero, weight, weight_scale, weight_sums, bias, out_dtype) -> torch.Tensor:
@@ -171,7 +139,7 @@ def int8_gemm_triton(xq, x_scale, x_zero, weight, weight_scale, weight_sums, bia
     xq: int8 [M, K]; x_scale: fp32 [M, 1]; x_zero: int32 [M, 1] or None; weight: int8 [N, K];
     weight_scale: fp32 [N]; weight_sums: int32 [N] (with x_zero); bias: [N] or None.
     Returns [M, N] in out_dtype."""
-    _check_launchable(xq)
+    check_launchable(xq, "int8 kernels", "use qrt::int8_linear")
     m, k = xq.shape
     n = weight.shape[0]
     if xq.dtype != torch.int8 or weight.dtype != torch.int8 or weight.shape[1] != k:
@@ -179,7 +147,7 @@ def int8_gemm_triton(xq, x_scale, x_zero, weight, weight_scale, weight_sums, bia
                          f"{weight.dtype} {tuple(weight.shape)}")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)  # [M, N]
     cfg = gemm_config(m)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (output_tiles(m, n, cfg),)
     # x_scale / x_zero may be a broadcast [M, 1] view of one static value: stride_sm 0 reads it.
     _int8_gemm_kernel[grid](
         xq, weight, out, x_scale, x_zero, weight_scale.float().contiguous(),
@@ -206,11 +174,10 @@ def int8_linear_triton(
 ) -> torch.Tensor:
     """Triton implementation of `qrt::int8_linear`. x: [..., K]; returns [..., N] in x.dtype."""
     check_activation_scheme(input_scale, input_zero_point, weight_sums)
-    k = x.shape[-1]
-    xq, x_scale, x_zero = quantize_activations_int8_triton(x.reshape(-1, k), input_scale, input_zero_point,
+    xq, x_scale, x_zero = quantize_activations_int8_triton(flatten_rows(x), input_scale, input_zero_point,
                                                           weight_sums is not None)
     out = int8_gemm_triton(xq, x_scale, x_zero, weight, weight_scale, weight_sums, bias, x.dtype)  # [M, N]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return unflatten_rows(out, x)
 
 
 @int8_linear_triton.register_fake
@@ -230,10 +197,9 @@ def int8_gemm_op(
     """The symmetric W8A8 GEMM on activations already quantized per token.
 
     xq: int8 [..., K]; x_scale: fp32 [..., 1]. Returns [..., N] in out_dtype."""
-    k = xq.shape[-1]
-    out = int8_gemm_triton(xq.reshape(-1, k), x_scale.reshape(-1, 1), None, weight, weight_scale, None, bias,
+    out = int8_gemm_triton(flatten_rows(xq), x_scale.reshape(-1, 1), None, weight, weight_scale, None, bias,
                            out_dtype)
-    return out.reshape(*xq.shape[:-1], weight.shape[0])
+    return unflatten_rows(out, xq)
 
 
 @int8_gemm_op.register_fake

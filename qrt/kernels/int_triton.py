@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_triton import grouped_tile
 from .choices import Kernel, declare
 from .int_reference import pack_factor
+from .triton_tiles import (check_launchable, flatten_rows, grouped_tile, load_packed_codes, output_tiles, store_tile,
+                           unflatten_rows, wrapped_rows_cols)
 
 # Enough programs to cover ~2 waves on a 132-SM GPU before split-K stops adding splits.
 _TARGET_PROGRAMS = 264
@@ -34,14 +35,9 @@ def _int_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    PF: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
-    # Edge rows and columns wrap onto valid ones so loads along M and N need no mask; the masked
-    # store drops them. int64: M * K and K * N can pass 2**31.
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    rows, cols = wrapped_rows_cols(offs_m, offs_n, M, N)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * BLOCK_K, K, BLOCK_K * SPLIT_K):
@@ -49,11 +45,7 @@ def _int_gemm_kernel(
         in_k = offs_k < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        # Each word feeds PF consecutive k; the repeated addresses are served from L1.
-        words = tl.load(qw_ptr + (offs_k // PF).to(tl.int64)[:, None] * stride_qk + cols[None, :] * stride_qn,
-                        mask=in_k[:, None], other=0)  # [BLOCK_K, BLOCK_N] int32
-        # Arithmetic shift of a negative word fills with ones; the mask drops them.
-        q = (words >> ((offs_k % PF) * BITS)[:, None]) & MASK
+        q = load_packed_codes(qw_ptr, offs_k, cols, in_k, stride_qk, stride_qn, BITS)  # [BLOCK_K, BLOCK_N]
         group = (offs_k // group_size).to(tl.int64)
         # Scales and zeros each by their own strides: a loader may hand over either one transposed.
         scale = tl.load(s_ptr + group[:, None] * stride_sg + cols[None, :] * stride_sn,
@@ -66,9 +58,7 @@ def _int_gemm_kernel(
         else:
             acc = tl.dot(x, w.to(x.dtype), acc=acc)
 
-    out_ptrs = out_ptr + split * stride_os + offs_m.to(tl.int64)[:, None] * stride_om \
-        + offs_n.to(tl.int64)[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(out_ptr + split * stride_os, acc, offs_m, offs_n, M, N, stride_om, stride_on)  # this split's sums
 
 
 def _gemm_config(m: int, n: int, k: int) -> dict:
@@ -81,7 +71,7 @@ def _gemm_config(m: int, n: int, k: int) -> dict:
     else:
         # Prefill: compute-bound; large tiles, dequantization amortised over 128 rows.
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = output_tiles(m, n, cfg)
     k_blocks = triton.cdiv(k, cfg["BLOCK_K"])
     cfg["SPLIT_K"] = max(1, min(_TARGET_PROGRAMS // tiles, k_blocks, _MAX_SPLIT_K))
     return cfg
@@ -90,9 +80,7 @@ def _gemm_config(m: int, n: int, k: int) -> dict:
 def int_gemm_triton(x2, qweight, scales, zeros, bits: int, group_size: int) -> torch.Tensor:
     """x2: [M, K] bf16/fp16/fp32 (already permuted) times the dequantized canonical weight.
     Returns [M, N] fp32 when split-K is used, else in x2's dtype."""
-    if x2.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise RuntimeError(f"the Triton integer GEMM needs CUDA tensors, got {x2.device}; CPU tensors run only "
-                           f"under TRITON_INTERPRET=1 (tests); on the CPU use qrt::int_linear")
+    check_launchable(x2, "integer GEMM", "use qrt::int_linear")
     m, k = x2.shape
     n = qweight.shape[1]
     if qweight.shape[0] != -(-k // pack_factor(bits)):
@@ -102,7 +90,7 @@ def int_gemm_triton(x2, qweight, scales, zeros, bits: int, group_size: int) -> t
     split_k = cfg["SPLIT_K"]
     out_dtype = torch.float32 if split_k > 1 else x2.dtype
     out = torch.empty((split_k, m, n), dtype=out_dtype, device=x2.device)  # [SPLIT_K, M, N] partial sums
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
+    grid = (output_tiles(m, n, cfg), split_k)
     _int_gemm_kernel[grid](
         x2, qweight, scales, zeros, out,
         m, n, k, group_size,
@@ -128,14 +116,13 @@ def int_linear_triton(
     group_size: int,
 ) -> torch.Tensor:
     """Triton implementation of `qrt::int_linear`. x: [..., K]; returns [..., N] in x.dtype."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)  # [M, K]
+    x2 = flatten_rows(x)  # [M, K]
     if perm is not None:
         x2 = x2.index_select(1, perm)
     out = int_gemm_triton(x2, qweight, scales, zeros, bits, group_size)  # [M, N]
     if bias is not None:
         out = out.float() + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[1])
+    return unflatten_rows(out.to(x.dtype), x)
 
 
 @int_linear_triton.register_fake

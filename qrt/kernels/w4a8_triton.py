@@ -17,8 +17,9 @@ import triton.language as tl
 
 from .activation_reference import int8_input_fusions
 from .choices import Kernel, declare
-from .fp8_triton import grouped_tile
-from .int8_triton import gemm_config, quantize_activations_int8_triton, round_half_even
+from .int8_triton import quantize_activations_int8_triton
+from .triton_tiles import (check_launchable, flatten_rows, gemm_config, grouped_tile, load_packed_codes, output_tiles,
+                           round_half_even, store_tile, unflatten_rows, wrapped_rows_cols)
 
 
 @triton.jit
@@ -30,10 +31,7 @@ def _w4a8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    # Edge rows and columns wrap onto valid ones so loads along M and N need no mask; the masked
-    # store drops them. int64: M * K and K * N can pass 2**31.
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    rows, cols = wrapped_rows_cols(offs_m, offs_n, M, N)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
@@ -41,11 +39,7 @@ def _w4a8_gemm_kernel(
         in_k = offs_k < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=in_k[None, :], other=0)  # [BLOCK_M, BLOCK_K] int8
-        # Each word feeds 8 consecutive k; the repeated addresses are served from L1.
-        words = tl.load(qw_ptr + (offs_k // 8).to(tl.int64)[:, None] * stride_qk + cols[None, :] * stride_qn,
-                        mask=in_k[:, None], other=0)  # [BLOCK_K, BLOCK_N] int32
-        # Arithmetic shift of a negative word fills with ones; the mask drops them.
-        codes = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF) - 8
+        codes = load_packed_codes(qw_ptr, offs_k, cols, in_k, stride_qk, stride_qn, 4) - 8  # [BLOCK_K, BLOCK_N]
         group = (offs_k // group_size).to(tl.int64)
         scale = tl.load(gs_ptr + group[:, None] * stride_gk + cols[None, :] * stride_gn,
                         mask=in_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] fp32; 0 past K
@@ -58,16 +52,13 @@ def _w4a8_gemm_kernel(
     out = acc.to(tl.float32) * a_scale[:, None] * c_scale[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(c_ptr, out, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 def w4a8_gemm_triton(xq, x_scale, qweight, group_scales, channel_scales, bias, group_size: int, out_dtype):
     """xq: int8 [M, K]; x_scale: fp32 [M, 1]; canonical W4A8 weight tensors (w4a8_reference.py).
     Returns [M, N] in out_dtype."""
-    if xq.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise RuntimeError(f"the Triton W4A8 GEMM needs CUDA tensors, got {xq.device}; CPU tensors run only under "
-                           f"TRITON_INTERPRET=1 (tests); on the CPU QQQ layers run as W8A8")
+    check_launchable(xq, "W4A8 GEMM", "QQQ layers run as W8A8")
     m, k = xq.shape
     n = qweight.shape[1]
     if xq.dtype != torch.int8 or qweight.shape[0] != -(-k // 8):
@@ -75,7 +66,7 @@ def w4a8_gemm_triton(xq, x_scale, qweight, group_scales, channel_scales, bias, g
                          f"{tuple(xq.shape)} and {tuple(qweight.shape)}")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)  # [M, N]
     cfg = gemm_config(m)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (output_tiles(m, n, cfg),)
     group_scales = group_scales.float()
     _w4a8_gemm_kernel[grid](
         xq, qweight, group_scales, out, x_scale.reshape(-1).contiguous(), channel_scales.float().contiguous(),
@@ -99,10 +90,9 @@ def w4a8_linear_triton(
     group_size: int,
 ) -> torch.Tensor:
     """Triton implementation of `qrt::w4a8_linear`. x: [..., K]; returns [..., N] in x.dtype."""
-    k = x.shape[-1]
-    xq, x_scale, _ = quantize_activations_int8_triton(x.reshape(-1, k), None, None, False)  # [M, K], [M, 1]
+    xq, x_scale, _ = quantize_activations_int8_triton(flatten_rows(x), None, None, False)  # [M, K], [M, 1]
     out = w4a8_gemm_triton(xq, x_scale, qweight, group_scales, channel_scales, bias, group_size, x.dtype)
-    return out.reshape(*x.shape[:-1], qweight.shape[1])
+    return unflatten_rows(out, x)
 
 
 @w4a8_linear_triton.register_fake
@@ -123,10 +113,9 @@ def w4a8_gemm_op(
 ) -> torch.Tensor:
     """The W4A8 GEMM on activations already quantized per token. xq: int8 [..., K]; x_scale: fp32
     [..., 1]. Returns [..., N] in out_dtype."""
-    k = xq.shape[-1]
-    out = w4a8_gemm_triton(xq.reshape(-1, k), x_scale.reshape(-1, 1), qweight, group_scales, channel_scales, bias,
+    out = w4a8_gemm_triton(flatten_rows(xq), x_scale.reshape(-1, 1), qweight, group_scales, channel_scales, bias,
                            group_size, out_dtype)
-    return out.reshape(*xq.shape[:-1], qweight.shape[1])
+    return unflatten_rows(out, xq)
 
 
 @w4a8_gemm_op.register_fake

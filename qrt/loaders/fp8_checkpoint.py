@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from qrt.kernels.choices import choose
-from qrt.kernels.fp8_block import dequantize_block_fp8
+from qrt.kernels.fp8_block_reference import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
 
 from .errors import ConfigError, TensorMismatch, UnsupportedError

@@ -1,5 +1,5 @@
-"""Block fp8 (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`): plain-torch reference, the logical op
-`qrt::fp8_block_linear` and its CPU kernel `qrt::fp8_block_linear_cpu`.
+"""Block fp8 (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`): plain-torch reference and the logical
+op `qrt::fp8_block_linear`.
 
 Scheme (FORMATS.md section 4.2): the weight is float8_e4m3fn [N, K] with one fp32 multiplier per
 block_n x block_k tile, W[n, k] = weight[n, k] * weight_scale[n // block_n, k // block_k];
@@ -7,18 +7,16 @@ activations are quantized dynamically per token per group of block_k channels al
 use ceil, so the last block of a ragged N or K is partial.
 
 As with `qrt::fp8_linear`, the logical op's implementation is the reference (eager mode is the
-oracle) and the swap pass replaces it with a kernel for the device. The CPU kernel takes a dense
-weight, which the loader pass builds with `dequantize_block_fp8`.
+oracle) and the swap pass replaces it with a kernel for the device. The CPU kernel
+(fp8_block_cpu.py) takes a dense weight, which the loader pass builds with `dequantize_block_fp8`.
 """
 
 import torch
-import torch.nn.functional as F
 
-from .choices import Kernel, declare
 from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
-def _group_spans(k: int, group: int) -> list[tuple[int, int, int]]:
+def group_spans(k: int, group: int) -> list[tuple[int, int, int]]:
     """Split [0, K) into spans of whole groups: (start, width, group size) for the groups of
     `group` channels, then, when K is ragged, the last partial group as a span of its own."""
     whole = k - k % group
@@ -28,7 +26,7 @@ def _group_spans(k: int, group: int) -> list[tuple[int, int, int]]:
     return spans
 
 
-def _quantize_whole_groups(x32: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_whole_groups(x32: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x32: [M, W] fp32, W a multiple of group. Returns (q [M, W // group, group] fp8,
     scale [M, W // group] fp32), each group quantized as `quantize_rows_fp8` quantizes a row."""
     xg = x32.reshape(x32.shape[0], -1, group)  # [M, W // group, group]
@@ -40,7 +38,7 @@ def _quantize_whole_groups(x32: torch.Tensor, group: int) -> tuple[torch.Tensor,
 def _per_column(scale: torch.Tensor, group: int, size: int) -> torch.Tensor:
     """Each column's entry of a per-group scale: [R, ceil(size / group)] -> [R, size].
 
-    For eager code (the reference, the loader pass); see the CPU kernel for why compiled code
+    For eager code (the reference, the loader pass); see fp8_block_cpu.py for why compiled code
     avoids this pattern."""
     return scale.repeat_interleave(group, dim=1)[:, :size]
 
@@ -53,7 +51,7 @@ def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     partial, is quantized exactly as `quantize_rows_fp8` quantizes a row.
     """
     x32 = x.float()
-    parts = [_quantize_whole_groups(x32[:, s : s + w], g) for s, w, g in _group_spans(x.shape[1], group)]
+    parts = [quantize_whole_groups(x32[:, s : s + w], g) for s, w, g in group_spans(x.shape[1], group)]
     return torch.cat([q.flatten(1) for q, _ in parts], dim=1), torch.cat([sc for _, sc in parts], dim=1)
 
 
@@ -126,53 +124,3 @@ def fp8_block_linear(
 @fp8_block_linear.register_fake
 def _(x, weight, weight_scale, bias, block_n, block_k):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-# CPU kernel. Like fp8_cpu.py it is CompositeImplicitAutograd, so under torch.compile AOTAutograd
-# decomposes it into aten ops and Inductor fuses the activation fake-quantization around the GEMM.
-#
-# Its `weight` is not fp8: the loader pass has already replaced it with
-# `dequantize_block_fp8(weight, weight_scale, block_n, block_k, model_dtype)`, because the block
-# scales vary along K and so cannot be applied after a single GEMM. `weight_scale` is then unused;
-# it stays in the signature so the swap pass can replace `qrt::fp8_block_linear` 1:1.
-#
-# A ragged K (not a multiple of block_k; no checkpoint in use has one) gets a second GEMM for the
-# last, partial group rather than one fake-quantized [M, K] tensor, so that every pointwise kernel
-# spans whole groups. That keeps clear of an Inductor CPU bug (torch 2.13): its loop split turns
-# the extent K of a kernel indexed by k // group into K // group * group and leaves the tail
-# columns unwritten (pytorch/pytorch#195582, fix proposed in #196119); a zero-padded
-# [M, G, group] view sliced back to K, or scales expanded and sliced to K, hit it.
-#
-# Numerics: the activations are rounded to fp8 per group exactly as `quantize_groups_fp8` does.
-# In fp32 the weight and the dequantized activations equal the reference's, so only the summation
-# order differs; in bf16 both GEMM operands carry one extra bf16 rounding (2**-9 relative), and
-# the GEMM output one more.
-_lib = torch.library.Library("qrt", "FRAGMENT")
-_lib.define(
-    "fp8_block_linear_cpu(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, "
-    "int block_n, int block_k) -> Tensor"
-)
-
-
-def fp8_block_linear_cpu(x, weight, weight_scale, bias, block_n, block_k):
-    """x: [..., K]; weight: [N, K] dequantized in the model dtype; weight_scale: unused."""
-    k = x.shape[-1]
-    x32 = x.reshape(-1, k).float()  # [M, K]
-    out = None
-    for start, width, group in _group_spans(k, block_k):
-        q, scale = _quantize_whole_groups(x32[:, start : start + width], group)
-        x_deq = (q.float() * scale[..., None]).flatten(1).to(weight.dtype)  # [M, width]
-        part = F.linear(x_deq, weight[:, start : start + width]).float()  # [M, N] fp32
-        out = part if out is None else out + part
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-
-_lib.impl("fp8_block_linear_cpu", fp8_block_linear_cpu, "CompositeImplicitAutograd")
-
-declare(Kernel(
-    "qrt.fp8_block_linear_cpu", devices=("cpu",), serves=("qrt.fp8_block_linear",), replaces="qrt.fp8_block_linear",
-    layout="dequantized",
-    why="CPU: the loader pass dequantized the blocks (fp8 x block scale, rounded once); Inductor fuses the "
-        "per-group activation quantization around one GEMM"))

@@ -1,5 +1,5 @@
 """Static-activation fp8 (AutoFP8 / ModelOpt FP8, `activation_scheme: static`): plain-torch
-reference, the logical op `qrt::fp8_static_linear` and its CPU kernel `qrt::fp8_static_linear_cpu`.
+reference and the logical op `qrt::fp8_static_linear`.
 
 Scheme (FORMATS.md sections 4.2 and 5.2): the weight is float8_e4m3fn [N, K] with one fp32 scale
 per output channel (a checkpoint's per-tensor scale is expanded to [N] by the loader, which also
@@ -10,14 +10,13 @@ Fused shards (q/k/v, gate/up) read the same x, so they need one input_scale; vLL
 of the shards' scales.
 
 As with `qrt::fp8_linear`, the logical op's implementation is the reference (eager mode is the
-oracle) and the swap pass replaces it with a kernel for the device.
+oracle) and the swap pass replaces it with a kernel for the device: on the CPU
+`qrt::fp8_static_linear_cpu` (fp8_static_cpu.py).
 """
 
 import torch
 
 from .fp8_reference import FP8_DTYPE, FP8_MAX
-from .choices import Kernel, declare
-from .onednn_cpu import dense_linear
 
 
 def quantize_static_fp8(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -67,35 +66,3 @@ def fp8_static_linear(
 @fp8_static_linear.register_fake
 def _(x, weight, weight_scale, input_scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-# CPU kernel, for weights the loader pass widened to the model dtype (exact fp8 values, as in
-# fp8_cpu.py). CompositeImplicitAutograd, so under torch.compile Inductor fuses the activation
-# quantization and the rescaling around one GEMM in the model dtype. Numerics equal the
-# reference's up to the GEMM's summation order and the rounding of its output to the model dtype.
-_lib = torch.library.Library("qrt", "FRAGMENT")
-_lib.define(
-    "fp8_static_linear_cpu(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, "
-    "Tensor? bias) -> Tensor"
-)
-
-
-def fp8_static_linear_cpu(x, weight, weight_scale, input_scale, bias):
-    """x: [..., K]; weight: [N, K] in the model dtype holding fp8 values (dense or prepacked, see
-    onednn_cpu.py); weight_scale: [N] fp32;
-    input_scale: [1] fp32."""
-    x_fp8_values = quantize_static_fp8(x, input_scale).to(weight.dtype)  # [..., K]
-    acc = dense_linear(x_fp8_values, weight)  # [..., N]
-    out = acc.float() * input_scale.float() * weight_scale.float()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
-
-
-_lib.impl("fp8_static_linear_cpu", fp8_static_linear_cpu, "CompositeImplicitAutograd")
-
-declare(Kernel(
-    "qrt.fp8_static_linear_cpu", devices=("cpu",), serves=("qrt.fp8_static_linear",),
-    replaces="qrt.fp8_static_linear", layout="widened", prepackable=True,
-    why="CPU: no fp8 arithmetic; the loader pass widened the fp8 weights to the model dtype (exact), Inductor fuses "
-        "the static-scale activation quantization around one GEMM"))

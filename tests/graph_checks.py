@@ -1,0 +1,70 @@
+"""Checks on what torch.compile made of a model, shared by the tests that compile one.
+
+A compiled model has one backend per role (prefill, decode, forward), and each backend's log gets
+a report for every graph Dynamo hands it: one graph per role means no graph breaks and no
+recompiles. Each report records what the swap pass did (ops counted before and after it) and
+which kernel it chose for each linear.
+"""
+
+import torch
+
+from qrt.passes.base import count_ops
+
+ROLES = ("prefill", "decode", "forward")
+
+
+def assert_one_graph_per_role(model, forward: bool = True) -> None:
+    """Prefill and decode compiled one graph each, and forward one if it has run (else none)."""
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": int(forward)}
+
+
+def no_recompiles():
+    """A context in which anything that would make Dynamo compile again raises instead."""
+    return torch.compiler.set_stance("fail_on_recompile")
+
+
+def decode_without_recompiles(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """model.generate's greedy tokens, failing if prefill or decode would be recompiled: prompt
+    lengths are dynamic in the prefill graph, and every decode step reuses one graph."""
+    with no_recompiles():
+        return model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
+
+
+def assert_no_graph_breaks(model, role: str) -> None:
+    """Dynamo's own account of the model's prefill (6 tokens) or decode (1 token) step: one graph,
+    no breaks. Dynamo is reset by it, which discards the model's compiled graphs."""
+    length = 6 if role == "prefill" else 1
+    ids = torch.arange(length).view(1, -1) + 3
+    with torch.no_grad():
+        result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
+    assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
+
+
+def swap_record(log):
+    """(graph report, swap-pass record) of a compile log that holds exactly one graph, which got
+    exactly one pass: the swap pass, all that CPU graphs get."""
+    (graph,) = log.graphs
+    (swap,) = graph.passes
+    return graph, swap
+
+
+def assert_every_linear_runs(model, kernel: str, count: int, swapped_from: str | None = None,
+                             roles: tuple[str, ...] = ROLES) -> None:
+    """Each role's single graph runs `count` linears, all through `kernel`, as the swap pass chose.
+
+    swapped_from: the logical op the layers call, which the swap pass replaced with `kernel`, none
+    of it left; None where the loader already put `kernel` in the layers and there was nothing to
+    replace."""
+    for role in roles:
+        graph, swap = swap_record(model.backends[role].log)
+        assert swap.ops_before.get(swapped_from or kernel, 0) == count, role
+        assert swap.ops_after.get(kernel, 0) == count, role
+        if swapped_from is not None:
+            assert swap.ops_after.get(swapped_from, 0) == 0, role
+        assert swap.changed == (0 if swapped_from is None else count), role
+        assert [c.kernel for c in graph.kernel_choices] == [kernel] * count, role
+
+
+def qrt_op_counts(gm: torch.fx.GraphModule) -> dict:
+    """How many times each qrt:: op is called in gm, nested regions included (qrt.passes' count)."""
+    return {name: count for name, count in count_ops(gm).items() if name.startswith("qrt.")}
