@@ -5,7 +5,7 @@ loader and the W4A8 path can be benchmarked on a real model next to the other fo
     python bench/export_qqq.py DST --src PATH --group-size 128
     python bench/decode.py --quant bf16,int4,w8a8 --checkpoint qqq=/tmp/smol-qqq
 
-Round-to-nearest quantization with QQQ's conventions (FORMATS.md §6.3), not QQQ's own GPTQ and
+Round-to-nearest quantization with QQQ's conventions (docs/formats.md §6.3), not QQQ's own GPTQ and
 smoothing, so its quality figures say nothing about QQQ's; the layout and arithmetic are QQQ's.
 The default model (hidden 576) needs per-channel scales: QQQ's groups of 128 must divide K.
 """

@@ -69,7 +69,7 @@ from bench.random_llama import LLAMA_1B, random_llama_path  # noqa: E402
 from bench.roofline import weight_bytes_per_token  # noqa: E402
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
 from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
-from qrt.kernels.int8_fused_reference import rms_norm  # noqa: E402
+from qrt.kernels.activation_reference import rms_norm  # noqa: E402
 from qrt.kernels.int8_reference import quantize_rows_int8  # noqa: E402
 from qrt.kernels.int_reference import pack_rows  # noqa: E402
 from qrt.runtime import compile_model  # noqa: E402
@@ -223,7 +223,7 @@ def int8_impls(x: torch.Tensor, w_bf16: torch.Tensor) -> list[Impl]:
         return (torch._int_mm(q, weight_kn).float() * scale * weight_scale).to(x.dtype)
 
     def fused_norm_gemm():
-        q, scale = torch.ops.qrt.rms_norm_quant_int8_triton(x, norm_weight, NORM_EPS)  # [M, K] int8, [M, 1]
+        q, scale = torch.ops.qrt.rms_norm_quant_int8_triton(x, norm_weight, NORM_EPS, False)  # [M, K] int8, [M, 1]
         return torch.ops.qrt.int8_gemm_triton(q, scale, weight, weight_scale, None, x.dtype)
 
     impls = [

@@ -4,7 +4,7 @@ layouts, built from a tiny transformers model.
 Each builder quantizes every decoder linear the way its producer does, writes the packed tensors,
 and puts the dequantized weights back into the transformers model, so that model is the
 "dequantize, then run transformers" reference. Packing here is written independently of qrt's
-loaders (plain per-field loops over FORMATS.md's rules), so a test compares two implementations.
+loaders (plain per-field loops over the rules of docs/formats.md), so a test compares two
 """
 
 import json
@@ -48,7 +48,7 @@ def _group_ranges(w: torch.Tensor, group_size: int, order: torch.Tensor):
 
 
 def quantize_gptq(w, bits, group_size, sym, act_order, seed):
-    """AutoGPTQ's quantizer conventions (FORMATS.md §1.4). Returns q [K, N], scales [groups, N]
+    """AutoGPTQ's quantizer conventions (docs/formats.md §1.4). Returns q [K, N], scales [groups, N]
     (fp16), zeros [groups, N] (unsigned, true zeros), g_idx [K]."""
     n, k = w.shape
     group_size = k if group_size == -1 else group_size
@@ -105,7 +105,7 @@ def awq_tensors(w, group_size=32, **_):
 
 
 def ct_tensors(w, bits=4, group_size=64, sym=True, packed=True, packed_zero_point=True, act_order=False, seed=0):
-    """compressed-tensors int weights: signed values, +2**(bits-1) before packing (FORMATS.md §3.4)."""
+    """compressed-tensors int weights: signed values, +2**(bits-1) before packing (docs/formats.md §3.4)."""
     n, k = w.shape
     group = k if group_size == -1 else group_size
     order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)

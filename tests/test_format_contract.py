@@ -20,7 +20,7 @@ from qrt.passes.backend import QrtBackend
 from qrt.passes.manager import passes_for
 
 DECODE_STEPS = 32
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = 128  # as conftest's `compiled`, whose models the online cases share
 # Compiled kernels against the eager reference ops: the same weights and the same activation
 # rounding, so only summation order differs, except:
 # - block fp8 on the CPU runs bf16-rounded dequantized weights;
@@ -33,35 +33,30 @@ TOLERANCE = {"compressed-tensors:float-quantized": 1e-2, "online:w8a8": _INT8_AC
 
 
 def _ids(seed=0):
-    return torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(seed))
+    # Batch 2: the forward graph is compiled for one batch size, and other tests score pairs.
+    return torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
-def case_folder(tmp_path_factory):
+def case_folder(tmp_path_factory, llama_dir):
     root = tmp_path_factory.mktemp("formats")
     made = {}
 
     def get(name):
         if name not in made:
-            folder = root / name.replace(":", "-").replace(" ", "-")
-            CASES[name].write(folder)
-            made[name] = folder
+            write = CASES[name].write
+            made[name] = llama_dir if write is None else root / name.replace(":", "-").replace(" ", "-")
+            if write is not None:
+                write(made[name])
         return made[name]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def compiled_case(case_folder):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = runtime.compile_model(case_folder(name), CASES[name].quant, progress=False,
-                                                max_seq_len=MAX_SEQ_LEN)
-        return cache[name]
-
-    return get
+def compiled_case(case_folder, compiled):
+    """The compiled model of a case; conftest's `compiled` caches them for the whole session."""
+    return lambda name: compiled(case_folder(name), CASES[name].quant)
 
 
 def test_every_registered_format_has_a_case():
@@ -83,10 +78,14 @@ def test_compiled_equals_eager_in_one_graph_per_role_with_the_cpu_kernels(name, 
     with torch.compiler.set_stance("fail_on_recompile"):
         model.generate(list(range(20, 31)), max_new_tokens=DECODE_STEPS, stop_at_eos=False)
     assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
+    layers = model.model.config.num_layers
     for role, backend in model.backends.items():
         (graph,) = backend.log.graphs
         assert {c.kernel for c in graph.kernel_choices} == case.cpu_kernels, role
         swap = graph.passes[0]
+        # Each role compiles one decoder-layer body, which every layer calls.
+        assert swap.code_before.count("# ---- subgraph ") == 1, role
+        assert f"called {layers}x per run" in swap.code_before, role
         for kernel in case.cpu_kernels:  # every choice made is in the graph that runs
             assert swap.ops_after.get(kernel, 0) == sum(c.kernel == kernel for c in graph.kernel_choices), (role, kernel)
 

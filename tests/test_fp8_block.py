@@ -171,7 +171,6 @@ def test_cpu_kernel_compiles_with_ragged_k():
     def f(x):
         return torch.ops.qrt.fp8_block_linear_cpu(x, weight, ws.cpu(), bias, 64, 64)
 
-    torch._dynamo.reset()
     with inductor_config.patch(force_disable_caches=True):
         out = torch.compile(f, fullgraph=True)(x)
     eager = f(x)

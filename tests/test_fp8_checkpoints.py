@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from fp8_checkpoints import FAMILIES, make_fp8_checkpoint
 from qrt.loaders.errors import CheckpointError, UnsupportedError
@@ -47,9 +46,9 @@ def _ids(seed=0):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_detected_and_matches_the_dequantized_model(family, checkpoints, compiled):
+def test_detected_and_matches_the_dequantized_model(family, checkpoints):
     folder, reference = checkpoints(family)
-    described, logical, kernel = EXPECTED[family]
+    described, _, kernel = EXPECTED[family]
     eager = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
     assert described in eager.scheme.describe()
     ids = _ids()
@@ -60,14 +59,10 @@ def test_detected_and_matches_the_dequantized_model(family, checkpoints, compile
     # most, compounded over 2 layers of 4 matmuls.
     error = relative_l2(eager(ids), expected)
     assert error < 0.06, error
-    model = compiled(folder)
-    # Compiled kernels against the eager reference op: same weights, same activation rounding;
-    # the block CPU kernel runs on bf16-rounded dequantized weights, hence its looser bound.
-    assert relative_l2(model(ids), eager(ids)) < (1e-2 if "block" in family else 1e-4)
-    model.generate([3, 4, 5], max_new_tokens=3, stop_at_eos=False)
-    decode_without_recompiles(model, list(range(20, 31)), 32)
-    assert_one_graph_per_role(model)
-    assert_every_linear_runs(model, kernel, LINEARS, swapped_from=logical)
+    # The loader pass chose the family's CPU kernel for every quantized layer; the format contract
+    # test (test_format_contract.py) compiles one family per registered format with it.
+    kernels = {m.weight.kernel for m in eager.model.model.layers.modules() if hasattr(m, "quant_method")}
+    assert kernels == {kernel}, kernels
 
 
 @pytest.mark.parametrize("equal", [False, True], ids=["shard-scales-differ", "shard-scales-equal"])

@@ -1,6 +1,7 @@
 """qrt installs as one top-level package and coexists with Hugging Face's `kernels` package, which
 transformers imports for hub kernels (the test extra installs it)."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -38,8 +39,14 @@ def test_the_checkout_root_shadows_nothing():
 
 
 def test_wheel_has_one_top_level_package(tmp_path):
+    # Built from a copy: setuptools leaves its build folders in the source tree.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "qrt", source / "qrt", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("qrt-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"qrt", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]

@@ -4,7 +4,7 @@ tiny transformers model: compressed-tensors `int-quantized` W8A8 and QQQ W4A8.
 Each builder quantizes every decoder linear the way its producer does, writes the tensors, and
 puts the dequantized weights back into the transformers model, which is then the "dequantize,
 then run transformers" reference (its activations stay unquantized). The QQQ packer here is
-written independently of loaders/qqq.py, from FORMATS.md §6.4: it maps each value forward to its
+written independently of loaders/qqq.py, from docs/formats.md §6.4: it maps each value forward to its
 word and nibble, where the loader gathers them back; a test compares the two.
 """
 
@@ -105,7 +105,7 @@ def _save(folder: Path, state: dict, quantization_config: dict) -> None:
 # ---- QQQ ------------------------------------------------------------------------------------
 
 def qqq_weight_perm(per_channel: bool) -> list[int]:
-    """FORMATS.md §6.4 step 2 and 3: stored position -> tile-order position within a run of 1024."""
+    """docs/formats.md §6.4 step 2 and 3: stored position -> tile-order position within a run of 1024."""
     perm = []
     for i in range(32):
         one = []
@@ -134,7 +134,7 @@ def qqq_pack(values: torch.Tensor, per_channel: bool) -> torch.Tensor:
 
 
 def qqq_permute_scales(s: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """FORMATS.md §6.4: s_group in runs of 64 (an 8x8 transpose), s_channel in runs of 32."""
+    """docs/formats.md §6.4: s_group in runs of 64 (an 8x8 transpose), s_channel in runs of 32."""
     if grouped:
         perm = [i + 8 * j for i in range(8) for j in range(8)]
     else:
@@ -143,7 +143,7 @@ def qqq_permute_scales(s: torch.Tensor, grouped: bool) -> torch.Tensor:
 
 
 def qqq_tensors(w: torch.Tensor, group_size: int):
-    """QQQ's quantizer (FORMATS.md §6.3) for one weight w [N, K]: (tensors, dequantized [N, K])."""
+    """QQQ's quantizer (docs/formats.md §6.3) for one weight w [N, K]: (tensors, dequantized [N, K])."""
     n, k = w.shape
     w = w.float()
     if group_size == -1:

@@ -1,7 +1,7 @@
 """Block fp8 (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`): plain-torch reference and the logical
 op `qrt::fp8_block_linear`.
 
-Scheme (FORMATS.md section 4.2): the weight is float8_e4m3fn [N, K] with one fp32 multiplier per
+Scheme (docs/formats.md §4.2): the weight is float8_e4m3fn [N, K] with one fp32 multiplier per
 block_n x block_k tile, W[n, k] = weight[n, k] * weight_scale[n // block_n, k // block_k];
 activations are quantized dynamically per token per group of block_k channels along K. Both grids
 use ceil, so the last block of a ragged N or K is partial.

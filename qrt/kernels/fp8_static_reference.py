@@ -1,7 +1,7 @@
 """Static-activation fp8 (AutoFP8 / ModelOpt FP8, `activation_scheme: static`): plain-torch
 reference and the logical op `qrt::fp8_static_linear`.
 
-Scheme (FORMATS.md sections 4.2 and 5.2): the weight is float8_e4m3fn [N, K] with one fp32 scale
+Scheme (docs/formats.md §4.2 and §5.2): the weight is float8_e4m3fn [N, K] with one fp32 scale
 per output channel (a checkpoint's per-tensor scale is expanded to [N] by the loader, which also
 lets fused q/k/v shards keep their own scales exactly); activations are quantized with a fixed
 fp32 `input_scale` of shape [1] from the checkpoint, not from the data:

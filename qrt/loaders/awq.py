@@ -1,6 +1,6 @@
 """AWQ checkpoints in AutoAWQ's GEMM layout (`version: "gemm"`), 4-bit (and 8-bit).
 
-Tensors per linear (FORMATS.md §2): `qweight` int32 [K, N / pf] and `qzeros` int32
+Tensors per linear (docs/formats.md §2): `qweight` int32 [K, N / pf] and `qzeros` int32
 [K / G, N / pf], both packed along N with an interleaved field order, and `scales` [K / G, N].
 Zero points are stored as they are (no GPTQ-style offset): W[n, k] = (q[k, n] - z[g, n]) * s[g, n].
 """

@@ -1,7 +1,7 @@
 """compressed-tensors integer weight-only checkpoints (llm-compressor W4A16 / W8A16):
 `pack-quantized`, and `naive-quantized` / `int-quantized` without activation quantization.
 
-Tensors per linear (FORMATS.md §3.4), in nn.Linear orientation (output channels first):
+Tensors per linear (docs/formats.md §3.4), in nn.Linear orientation (output channels first):
 - pack-quantized: `weight_packed` int32 [N, ceil(K / pf)] packed along K, `weight_shape` int64 [2];
 - naive/int-quantized: `weight` int8 [N, K];
 - `weight_scale` [N, groups] (channel: [N, 1]), `weight_g_idx` int32 [K] with actorder "group";

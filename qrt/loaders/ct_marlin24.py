@@ -1,4 +1,4 @@
-"""compressed-tensors 2:4-sparse W4A16 checkpoints, format `marlin-24` (FORMATS.md §3.8).
+"""compressed-tensors 2:4-sparse W4A16 checkpoints, format `marlin-24` (docs/formats.md §3.8).
 
 The producer (compressed-tensors' Marlin24Compressor) quantizes each [N, K] weight to signed 4-bit
 codes (symmetric, groups of 128 along K or one group per output channel), keeps the two entries

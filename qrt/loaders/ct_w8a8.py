@@ -1,6 +1,6 @@
 """compressed-tensors W8A8 int8 checkpoints (`int-quantized`, llm-compressor's W8A8 schemes):
 int8 weights per output channel or per tensor, int8 activations dynamic per token or static per
-tensor, symmetric or asymmetric (FORMATS.md §3.4 and §3.6).
+tensor, symmetric or asymmetric (docs/formats.md §3.4 and §3.6).
 
 Tensors per linear, in nn.Linear orientation:
 - `weight`: int8 [N, K], symmetric (weight zero points are refused, as every W8A8 runtime does);

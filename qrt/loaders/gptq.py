@@ -1,6 +1,6 @@
 """GPTQ checkpoints (AutoGPTQ, GPTQModel, transformers/optimum exports), 2/4/8-bit.
 
-Tensors per linear (FORMATS.md §1): `qweight` int32 [K / pf, N] packed along K, `qzeros` int32
+Tensors per linear (docs/formats.md §1): `qweight` int32 [K / pf, N] packed along K, `qzeros` int32
 [groups, N / pf] packed along N, `scales` [groups, N], `g_idx` int32 [K] (act-order), all
 LSB-first. W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = g_idx[k].
 

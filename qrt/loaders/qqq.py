@@ -1,6 +1,6 @@
 """QQQ checkpoints (W4A8: 4-bit weights, int8 per-token activations), `quant_method: "qqq"`.
 
-Tensors per linear (FORMATS.md §6), stored in QQQ's Marlin-style kernel layout:
+Tensors per linear (docs/formats.md §6), stored in QQQ's Marlin-style kernel layout:
 - `B`: int32 [K / 16, 2N], eight 4-bit values per word in a permuted tile order (below);
 - `s_channel`: fp32 [1, N], permuted within runs of 32 channels;
 - `s_group`: fp16 [K / 128, N] permuted within runs of 64 channels for group_size 128, or an

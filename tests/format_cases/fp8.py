@@ -1,0 +1,19 @@
+"""Stored FP8 formats: HF fp8, ModelOpt (config and side file), compressed-tensors float-quantized."""
+
+from fp8_checkpoints import make_fp8_checkpoint
+
+from . import FormatCase
+
+
+def _fp8(family: str, cpu: str, cuda: str) -> FormatCase:
+    return FormatCase(lambda folder: make_fp8_checkpoint(folder, family), None, frozenset({cpu}), frozenset({cuda}))
+
+
+CASES = {
+    "stored:fp8": _fp8("hf-fp8-dynamic", "qrt.fp8_linear_cpu", "qrt.fp8_linear_triton"),
+    "stored:modelopt": _fp8("modelopt-fp8-kv-cache", "qrt.fp8_static_linear_cpu", "qrt.fp8_static_linear_triton"),
+    "side-file:hf_quant_config.json": _fp8("modelopt-fp8-side-file", "qrt.fp8_static_linear_cpu",
+                                           "qrt.fp8_static_linear_triton"),
+    "compressed-tensors:float-quantized": _fp8("ct-fp8-block", "qrt.fp8_block_linear_cpu",
+                                               "qrt.fp8_block_linear_triton"),
+}
