@@ -156,7 +156,8 @@ def annotate_int8_layout(layer, device: torch.device, what: str, logical: str = 
     """Record the layout every W8A8 layer ends with, int8 [N, K] and fp32 channel scales, and the
     device's kernel for it (`logical`: the op whose kernel runs the layer; QQQ's on the CPU)."""
     kernel = choose(logical, device.type)
-    assert kernel.layout == "int8", kernel
+    if kernel.layout != "int8":
+        raise UnsupportedError(f"{kernel.op} takes the {kernel.layout!r} layout; W8A8 layers are int8 [N, K]")
     layer.weight.quant_format = what
     layer.weight.storage_layout = "int8 [N, K], fp32 channel scales"
     layer.weight.kernel = kernel.op

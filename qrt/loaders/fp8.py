@@ -20,7 +20,7 @@ import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
 from qrt.kernels.choices import choose
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
-from .errors import TensorMismatch
+from .errors import TensorMismatch, UnsupportedError
 from .linear import LinearMethod, ShardLayout, check_shape, make_parameter, replace_parameter
 from .registry import online_format
 
@@ -67,7 +67,8 @@ class Fp8OnlineLinearMethod(LinearMethod):
             layer.weight.storage_layout = "fp8_e4m3 [N, K]"
             layer.weight.kernel = kernel.op
             return
-        assert kernel.layout == "widened", kernel
+        if kernel.layout != "widened":
+            raise UnsupportedError(f"{kernel.op} takes the {kernel.layout!r} layout, which online fp8 cannot make")
         # Widen to the activation dtype; exact because e4m3 is a subset of bf16/fp16/fp32.
         dtype = layer.params_dtype
         replace_parameter(

@@ -12,13 +12,8 @@ import re
 from pathlib import Path
 
 from .errors import ConfigError, UnsupportedError
-from .registry import online_formats, side_file_formats, stored_formats
+from .registry import LEGACY_SIDE_FILES, online_formats, side_file_formats, stored_formats
 from .unquantized import UnquantizedLinearMethod
-
-# Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json; the
-# stored format whose `claims_side_file` accepts the file reads it, unless it names its quant_method.
-LEGACY_SIDE_FILES = ("quantize_config.json", "quant_config.json")
-
 
 class QuantScheme:
     """name: "none", an online format, or a stored format; `make_method(module_names)`: the

@@ -66,6 +66,10 @@ class OnlineFormat:
     lm_head_summary: str = ""
 
 
+# Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json; the
+# stored format whose `claims_side_file` accepts the file reads it, unless it names its quant_method.
+LEGACY_SIDE_FILES = ("quantize_config.json", "quant_config.json")
+
 _STORED: dict[str, StoredFormat] = {}
 _SIDE_FILES: dict[str, SideFileFormat] = {}
 _COMPRESSED_TENSORS: dict[str, CompressedTensorsFormat] = {}
@@ -134,8 +138,6 @@ def online_formats() -> dict[str, OnlineFormat]:
 
 def side_file_names() -> tuple[str, ...]:
     """Every side file that can say how a checkpoint is quantized (part of its identity)."""
-    from .quant import LEGACY_SIDE_FILES
-
     return (*side_file_formats(), *LEGACY_SIDE_FILES)
 
 
