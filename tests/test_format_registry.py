@@ -77,3 +77,13 @@ def test_a_format_registers_once():
 
     with pytest.raises(ValueError, match="registered twice"):
         online_format("fp8", summary="again")(lambda names: None)
+
+
+def test_a_device_without_a_kernel_for_the_format_is_named(llama_dir):
+    from qrt import runtime
+    from qrt.loaders.config import DeviceConfig
+
+    with pytest.raises(UnsupportedError, match=r"model\.layers\.0\.self_attn\.qkv_proj: fp8 weights cannot run on "
+                                               r"mps: no kernel computes qrt\.fp8_linear on mps"):
+        runtime.compile_model(llama_dir, "fp8", compile=False, progress=False,
+                              device_config=DeviceConfig("cpu", kernel_device="mps"))

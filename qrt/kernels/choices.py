@@ -49,6 +49,10 @@ class Kernel:
     fusions: tuple[Fusion, ...] = field(default=())
 
 
+class NoKernelError(LookupError):
+    """No declared kernel computes a logical op on a device for the weights at hand."""
+
+
 _KERNELS: dict[str, Kernel] = {}
 
 
@@ -76,7 +80,7 @@ def choose(logical: str, device_type: str, **facts) -> Kernel:
     fitting = [k for k in _KERNELS.values()
                if logical in k.serves and device_type in k.devices and k.accepts(**facts)]
     if not fitting:
-        raise LookupError(f"no kernel computes {logical} on {device_type} for {facts}; declared: "
+        raise NoKernelError(f"no kernel computes {logical} on {device_type} for {facts}; declared: "
                           f"{[k.op for k in _KERNELS.values() if logical in k.serves]}")
     return min(fitting, key=lambda k: k.preference)
 

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from qrt.kernels.choices import NoKernelError
+
 from .config import DeviceConfig, LoadConfig, parse_dtype
-from .errors import CheckpointError, ConfigError, TensorMismatch
+from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from .linear import attributes_of, make_parameter
 
 
@@ -138,7 +140,11 @@ def fill_random(model: nn.Module, seed: int) -> None:
 def run_loader_pass(model: nn.Module, device: torch.device) -> None:
     """Repack every quantized layer once into the layout its kernel on `device` wants; the tensors
     stay where they were loaded."""
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if method is not None:
+        if method is None:
+            continue
+        try:
             method.process_after_loading(module, device)
+        except NoKernelError as err:
+            raise UnsupportedError(f"{name}: {method.name} weights cannot run on {device.type}: {err}") from None
