@@ -5,7 +5,6 @@ pass list, on CUDA (its Triton kernels running under the interpreter), and error
 file and tensor when a tensor is missing or misshapen."""
 
 import math
-import types
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from qrt.loaders.config import DeviceConfig
 from qrt.loaders.errors import CheckpointError
 from qrt.passes.backend import QrtBackend
 from qrt.passes.manager import passes_for
+from qrt.runtime.compiled import own_copy
 
 DECODE_STEPS = 32
 MAX_SEQ_LEN = 128  # as conftest's `compiled`, whose models the online cases share
@@ -111,14 +111,14 @@ def test_cuda_layouts_kernels_and_passes(name, case_folder):
     assert relative_l2(got, expected) < TOLERANCE.get(name, 1e-4)
 
 
-def _fresh_forward(name: str):
-    """model(ids) as a function with a code object and name of its own: Dynamo caches compiled
-    graphs per code object, so each case's model neither recompiles nor evicts another's."""
-    def forward(model, ids):
-        return model(ids)
+def _forward(model, ids):
+    return model(ids)
 
-    label = "cuda_" + "".join(ch if ch.isalnum() else "_" for ch in name)
-    return types.FunctionType(forward.__code__.replace(co_name=label, co_qualname=label), globals(), label)
+
+def _fresh_forward(name: str):
+    """_forward with a code object and name of its own (own_copy): Dynamo caches compiled graphs
+    per code object, so each case's model neither recompiles nor evicts another's."""
+    return own_copy(_forward, "cuda_" + "".join(ch if ch.isalnum() else "_" for ch in name))
 
 
 def _breakable_tensor(folder) -> str:

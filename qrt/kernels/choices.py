@@ -81,7 +81,7 @@ def choose(logical: str, device_type: str, **facts) -> Kernel:
                if logical in k.serves and device_type in k.devices and k.accepts(**facts)]
     if not fitting:
         raise NoKernelError(f"no kernel computes {logical} on {device_type} for {facts}; declared: "
-                          f"{[k.op for k in _KERNELS.values() if logical in k.serves]}")
+                            f"{[k.op for k in _KERNELS.values() if logical in k.serves]}")
     return min(fitting, key=lambda k: k.preference)
 
 

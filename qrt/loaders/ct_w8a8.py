@@ -24,7 +24,7 @@ from qrt.kernels.choices import choose
 from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
 
 from .errors import TensorMismatch, UnsupportedError
-from .int_weights import copy_ints
+from .int_weights import copy_ints, shard_slot
 from .linear import LinearMethod, check_shape, make_parameter
 from .quant import QuantScheme
 from .registry import CompressedTensorsGroup, compressed_tensors_format
@@ -68,15 +68,11 @@ def _load_weight_scale(param, loaded, shard_id, *, layer, strategy: str):
         rows.copy_(loaded.reshape(-1))
 
 
-def _shard_slot(layer, shard_id) -> int:
-    return 0 if layer.shard_layout is None else layer.shard_layout.shard_ids.index(shard_id)
-
-
 def _load_input_scale(param, loaded, shard_id, *, layer):
     check_scale(loaded)
     if loaded.numel() != 1:
         raise TensorMismatch(f"shape {list(loaded.shape)}, expected a per-tensor input scale ([1] or [])")
-    param.data[_shard_slot(layer, shard_id)] = float(loaded.reshape(()))
+    param.data[shard_slot(layer, shard_id)] = float(loaded.reshape(()))
 
 
 def _load_input_zero_point(param, loaded, shard_id, *, layer):
@@ -85,7 +81,7 @@ def _load_input_zero_point(param, loaded, shard_id, *, layer):
     value = int(loaded.reshape(()))
     if not INT8_MIN <= value <= INT8_MAX:
         raise TensorMismatch(f"zero point {value} is outside the int8 range")
-    param.data[_shard_slot(layer, shard_id)] = value
+    param.data[shard_slot(layer, shard_id)] = value
 
 
 def merge_static_inputs(scales: torch.Tensor, zeros: torch.Tensor | None):

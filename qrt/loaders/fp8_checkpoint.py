@@ -146,9 +146,11 @@ class Fp8CheckpointLinearMethod(LinearMethod):
             widened = dequantize_block_fp8(layer.weight.data, scales, spec.block[0], spec.block[1], dtype)
             replace_parameter(layer, spec.scale_name, torch.ones_like(scales))  # [N/bn, K/bk]
             note = "dequantized with block scales"
-        else:
+        elif kernel.layout == "widened":
             widened = layer.weight.data.to(dtype)  # exact: e4m3 is a subset of bf16
             note = "holding exact fp8 values"
+        else:
+            raise UnsupportedError(f"{kernel.op} takes the {kernel.layout!r} layout, which fp8 checkpoints cannot make")
         replace_parameter(layer, "weight", widened, kernel=kernel.op,
                           storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] {note} ({self.family})")
 

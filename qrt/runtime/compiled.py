@@ -33,7 +33,7 @@ DEFAULT_MAX_SEQ_LEN = 2048
 BUILDS = ("regional", "frozen")
 # The progress line's estimate of a cold compile when no earlier one on this device is on record.
 _FIRST_COMPILE_GUESS_S = 20
-_model_numbers = itertools.count()  # names each CompiledModel's functions apart (see _own_copy)
+_model_numbers = itertools.count()  # names each CompiledModel's functions apart (see own_copy)
 
 
 def compile_model(
@@ -124,7 +124,7 @@ def _forward(model, input_ids):
     return model(input_ids)
 
 
-def _own_copy(fn, name: str):
+def own_copy(fn, name: str):
     """A copy of `fn` with its own code object and name. Dynamo keeps its compiled-graph cache on
     the code object, so each CompiledModel gets a cache of its own: a second model is then neither
     a recompile of the first nor pushes it out of the cache. Its record of which sizes changed
@@ -165,7 +165,7 @@ class CompiledModel:
         if compile:
             number = next(_model_numbers)
             self._fns = {
-                role: torch.compile(_own_copy(fn, f"qrt_{role}_{number}"), backend=self.backends[role],
+                role: torch.compile(own_copy(fn, f"qrt_{role}_{number}"), backend=self.backends[role],
                                     fullgraph=True)
                 for role, fn in fns.items()
             }

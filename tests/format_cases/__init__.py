@@ -17,6 +17,9 @@ from typing import Callable
 from qrt.loaders.registry import compressed_tensors_formats, online_formats, side_file_formats, stored_formats
 
 
+INT_CUDA = frozenset({"qrt.int_linear_triton"})  # every integer weight-only layout on CUDA
+
+
 @dataclass(frozen=True)
 class FormatCase:
     write: Callable | None  # (folder) -> None: writes the checkpoint; None: the suite's tiny bf16 llama

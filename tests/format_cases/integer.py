@@ -4,10 +4,9 @@ from int_checkpoints import ct_config, make_int_checkpoint
 from marlin24_checkpoints import make_marlin24_checkpoint
 from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
 
-from . import FormatCase
+from . import INT_CUDA, FormatCase
 
 INT4_CPU = frozenset({"qrt.int4pack_linear"})
-INT_CUDA = frozenset({"qrt.int_linear_triton"})
 
 
 def _gptq(folder) -> None:
