@@ -1,6 +1,6 @@
 """Where a model's config and tensors come from: a safetensors folder or a GGUF file."""
 
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -8,8 +8,24 @@ import torch
 from .config import LoadConfig, read_hf_config
 from .errors import CheckpointError
 from .registry import side_file_names
-from .safetensors_files import INDEX_NAME, checkpoint_files, count_tensors, iter_tensors
+from .safetensors_files import INDEX_NAME, checkpoint_files, stored_tensors
+from .tensor_parallel import cut_tensor
 from .tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class TensorInMemory:
+    """A tensor already read (GGUF dequantizes while reading), with StoredTensor's interface."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.tensor.shape)
+
+    def read(self, cuts=()) -> torch.Tensor:
+        return cut_tensor(self.tensor, cuts) if cuts else self.tensor
+
 
 class SafetensorsCheckpoint:
     """A Hugging Face folder: config.json, model.safetensors or a sharded index, tokenizer files."""
@@ -19,9 +35,9 @@ class SafetensorsCheckpoint:
         self.config_path = self.folder / "config.json"
         self.hf_config = read_hf_config(self.folder)
 
-    def tensors(self, dtype: torch.dtype) -> tuple[Iterator[tuple[Path, str, torch.Tensor]], int]:
-        files = checkpoint_files(self.folder)
-        return iter_tensors(files), count_tensors(files)
+    def tensors(self, dtype: torch.dtype) -> list:
+        """(file, name, StoredTensor) of every weight, read only when the loader asks."""
+        return stored_tensors(checkpoint_files(self.folder))
 
     def identity_files(self, with_weights: bool = True) -> list[Path]:
         """The files whose contents decide what qrt builds: config and quantization side files,
@@ -49,8 +65,7 @@ class GgufCheckpoint:
     def tensors(self, dtype: torch.dtype):
         from .gguf import read_gguf_tensors
 
-        tensors = read_gguf_tensors(self.path, dtype)
-        return ((self.path, name, tensors.pop(name)) for name in list(tensors)), len(tensors)
+        return [(self.path, name, TensorInMemory(tensor)) for name, tensor in read_gguf_tensors(self.path, dtype).items()]
 
     def identity_files(self, with_weights: bool = True) -> list[Path]:
         return [self.path]

@@ -21,6 +21,7 @@ from qrt.kernels.choices import choose
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
 from .errors import TensorMismatch, UnsupportedError
+from .tensor_parallel import DENSE_WEIGHT
 from .linear import LinearMethod, ShardLayout, check_shape, make_parameter, replace_parameter
 from .registry import online_format
 
@@ -44,6 +45,7 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
 
 class Fp8OnlineLinearMethod(LinearMethod):
     name = "fp8"
+    shard_rule = {"weight": DENSE_WEIGHT}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size

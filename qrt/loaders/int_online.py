@@ -22,6 +22,7 @@ from qrt.kernels.int_reference import pack_factor, pack_rows, unpack_rows
 
 from .errors import TensorMismatch
 from .int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters
+from .tensor_parallel import DENSE_WEIGHT
 from .linear import LinearMethod, check_shape, make_parameter
 from .registry import online_format
 
@@ -95,6 +96,8 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, cfg: OnlineI
 
 
 class OnlineIntLinearMethod(LinearMethod):
+    shard_rule = {"weight": DENSE_WEIGHT}  # the bf16 weight it quantizes as it streams in
+
     def __init__(self, bits: int, max_group: int = 32, module_names=()):
         super().__init__(OnlineIntConfig(bits, max_group), module_names)
         self.name = f"int{bits}"

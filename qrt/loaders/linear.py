@@ -23,6 +23,7 @@ from torch import nn
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
 
 from .errors import TensorMismatch
+from .tensor_parallel import OUTPUT_VECTOR, SINGLE, Parallelism, RankSlice, TensorSplit, all_gather_last, all_reduce
 
 # Attribute names a parameter may carry. Keeping them in one place catches typos at creation.
 KNOWN_ATTRIBUTES = frozenset(
@@ -130,14 +131,24 @@ class LinearMethod(ABC):
     # The layer's weight is the plain [N, K] tensor in the model dtype, so a tied lm_head may share
     # the embedding's parameter.
     stores_dense_weight = False
-    # Tensor parallelism: how this format's tensors split across ranks. None: not declared, and a
-    # tensor-parallel load refuses the format.
-    shard_rule = None
+    # Tensor parallelism (tensor_parallel.py): parameter name -> TensorSplit of the checkpoint tensor
+    # it loads, how that tensor follows the layer's output and input axes. None: not declared, and a
+    # sharded load refuses the format.
+    shard_rule: dict | None = None
 
     def __init__(self, cfg=None, module_names=()):
         self.cfg = cfg  # the format's settings for this layer (a frozen dataclass), if it has any
         self.module_names = list(module_names)  # the checkpoint modules of the layer (a fused layer's shards)
         self.layout = None  # for formats with several layouts: the one the loader pass chose
+
+    def tensor_split(self, layer: "Linear", param_name: str) -> "TensorSplit | None":
+        """The TensorSplit of the checkpoint tensor that loads into `param_name` (the bias follows
+        the output rows in every format)."""
+        if param_name == "bias":
+            return OUTPUT_VECTOR
+        if self.shard_rule is None:
+            return None
+        return self.shard_rule.get(param_name)
 
     @abstractmethod
     def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
@@ -161,29 +172,69 @@ class Linear(nn.Module):
     output_sizes has one entry per shard of a fused layer (q/k/v, gate/up) with matching
     shard_ids; the checkpoint's per-shard tensors are loaded into their rows. The bias is kept in
     the model dtype in every format.
+
+    Tensor parallelism (tensor_parallel.py): `n_slices` (one RankSlice per output size) or `k_slice`
+    give this rank's part of the output rows (column-parallel) or of the input channels
+    (row-parallel); the layer is built with its rank's sizes and loads its rank's slice of each
+    tensor. A row-parallel layer sums its partial outputs over the ranks (its bias loaded on rank 0
+    only, so that it is added once); with `gather_output` the ranks' output rows are concatenated
+    (the vocabulary of lm_head) and cut back to the full size.
     """
 
-    def __init__(self, input_size: int, output_sizes, *, bias: bool, method: LinearMethod, dtype, shard_ids=None):
+    def __init__(self, input_size: int, output_sizes, *, bias: bool, method: LinearMethod, dtype, shard_ids=None,
+                 parallel: Parallelism = SINGLE, n_slices=None, k_slice: RankSlice | None = None,
+                 gather_output: bool = False):
         super().__init__()
+        self.parallel = parallel
+        self.n_slices = None if n_slices is None or all(s.whole for s in n_slices) else tuple(n_slices)
+        self.k_slice = None if k_slice is None or k_slice.whole else k_slice
+        if self.n_slices is not None:
+            output_sizes = [s.length for s in self.n_slices]
+        if self.k_slice is not None:
+            input_size = self.k_slice.length
+        self.full_output_size = sum(s.full for s in n_slices) if n_slices is not None else sum(output_sizes)
         self.input_size = input_size
         self.output_size = sum(output_sizes)
         self.has_bias = bias
         self.params_dtype = dtype
         self.shard_layout = None if shard_ids is None else ShardLayout.stacked(shard_ids, output_sizes)
         self.quant_method = method
+        self.reduce_output = self.k_slice is not None
+        self.gather_output = gather_output and parallel.sharded
         self.register_parameter("bias", None)
         if bias:
+            load_bias = partial(copy_rows, layout=self.shard_layout)
+            if self.reduce_output and parallel.rank != 0:
+                load_bias = _zeros_instead
             self.bias = make_parameter(
                 torch.empty(self.output_size, dtype=dtype),  # [N]
-                weight_loader=partial(copy_rows, layout=self.shard_layout), output_dim=0, quant_format=method.name,
+                weight_loader=load_bias, output_dim=0, quant_format=method.name,
             )
         method.create_weights(self, dtype)
 
+    def tensor_split(self, param_name: str) -> TensorSplit | None:
+        return self.quant_method.tensor_split(self, param_name)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        y = self.quant_method.apply(self, x)
+        if self.reduce_output:
+            y = all_reduce(y, self.parallel)
+        if self.gather_output:
+            y = all_gather_last(y, self.parallel)[..., : self.full_output_size]
+        return y
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, quant={self.quant_method.name}"
+        shard = ""
+        if self.n_slices is not None:
+            shard = f", column-parallel {self.parallel.rank}/{self.parallel.size}"
+        elif self.k_slice is not None:
+            shard = f", row-parallel {self.parallel.rank}/{self.parallel.size}"
+        return f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, quant={self.quant_method.name}{shard}"
+
+
+def _zeros_instead(param, loaded, shard_id):
+    """A row-parallel bias on ranks other than 0: the sum over ranks adds rank 0's once."""
+    param.data.zero_()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from qrt.kernels.choices import NoKernelError
 from .config import DeviceConfig, LoadConfig, parse_dtype
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from .linear import attributes_of, make_parameter
+from .tensor_parallel import SINGLE, Parallelism, axis_cut
 
 
 def choose_dtype(device_config: DeviceConfig, hf_config: dict, source) -> torch.dtype:
@@ -27,21 +28,21 @@ def choose_dtype(device_config: DeviceConfig, hf_config: dict, source) -> torch.
         raise ConfigError(f"{source}: torch_dtype: {err}; or pass dtype= to compile_model") from None
 
 
-def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_config: DeviceConfig) -> nn.Module:
+def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_config: DeviceConfig,
+               parallel: Parallelism = SINGLE) -> nn.Module:
     """A model of `model_cls` with every weight of `checkpoint` (see checkpoint.py) loaded and
-    repacked for `device_config.device`.
+    repacked for `device_config.device`; in a sharded model (`parallel`), this rank's part of them.
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
     dtype = choose_dtype(device_config, checkpoint.hf_config, checkpoint.config_path)
     with torch.device("meta"):
-        model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path)
+        model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
     materialize(model, device_config.device)
     started = time.perf_counter()
     if load_config.load_format == "dummy":
         fill_random(model, load_config.seed)
     else:
-        tensors, total = checkpoint.tensors(dtype)
-        stream_tensors(model, tensors, total, where=checkpoint.folder, progress=load_config.progress)
+        stream_tensors(model, checkpoint.tensors(dtype), where=checkpoint.folder, progress=load_config.progress)
     run_loader_pass(model, device_config.kernel_device)
     if load_config.progress:
         print(f"qrt: loaded weights in {time.perf_counter() - started:.1f} s", file=sys.stderr)
@@ -61,32 +62,73 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, replaced[id(param)])
 
 
-def stream_tensors(model: nn.Module, tensors, total: int, where: Path, progress: bool) -> None:
-    """Feed each (file, name, tensor) to its parameter's weight_loader, then check nothing is missing."""
+def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool) -> None:
+    """Feed each checkpoint tensor ((file, name, StoredTensor)) to its parameter's weight_loader,
+    then check nothing is missing.
+
+    Every tensor is first matched to its parameter and, in a sharded model, to this rank's part of
+    it, from the headers alone: a checkpoint that does not fit the model, or a format that cannot
+    be split this way, is refused before any weight is read. Each rank then reads only its part."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     names = model.checkpoint_names()
-    bar = tqdm(total=total, desc="qrt: loading", unit="tensor", disable=not progress, file=sys.stderr, leave=False)
+    plan, seen = [], set()
+    for path, name, stored in tensors:
+        if names.skipped(name):
+            continue
+        param_name, shard_id = names.parameter_of(name)
+        param = params.get(param_name)
+        if param is None or getattr(param, "weight_loader", None) is None:
+            raise CheckpointError(path, name, f"unexpected tensor: {type(model).__name__} has no "
+                                  f"parameter it loads into (looked for '{param_name}')"
+                                  f"{_expected_here(model, param_name)}")
+        if (param_name, shard_id) in seen:
+            raise CheckpointError(path, name, "appears more than once in the checkpoint")
+        seen.add((param_name, shard_id))
+        targets = [(target, rank_cuts(model, target, shard_id, stored.shape, name))
+                   for target in (param_name, *names.copies.get(param_name, ()))]
+        plan.append((path, name, stored, shard_id, targets))
+    bar = tqdm(total=len(plan), desc="qrt: loading", unit="tensor", disable=not progress, file=sys.stderr,
+               leave=False)
     with bar:
-        for path, name, tensor in tensors:
+        for path, name, stored, shard_id, targets in plan:
             bar.update(1)
-            if names.skipped(name):
-                continue
-            param_name, shard_id = names.parameter_of(name)
-            param = params.get(param_name)
-            if param is None or getattr(param, "weight_loader", None) is None:
-                raise CheckpointError(path, name, f"unexpected tensor: {type(model).__name__} has no "
-                                      f"parameter it loads into (looked for '{param_name}')"
-                                      f"{_expected_here(model, param_name)}")
-            if shard_id in loaded[param_name]:
-                raise CheckpointError(path, name, "appears more than once in the checkpoint")
-            for target in (param_name, *names.copies.get(param_name, ())):
+            read: dict = {}  # cuts -> tensor: a copy with the same cuts reads once
+            for target, cuts in targets:
+                if cuts not in read:
+                    read[cuts] = stored.read(cuts)
                 try:
-                    params[target].weight_loader(params[target], tensor, shard_id)
+                    params[target].weight_loader(params[target], read[cuts], shard_id)
                 except TensorMismatch as err:
                     raise CheckpointError(path, name, f"{err} (loading into '{target}')") from None
                 loaded[target].add(shard_id)
     _check_complete(model, params, loaded, where)
+
+
+def rank_cuts(model: nn.Module, param_name: str, shard_id, shape, tensor_name: str) -> tuple:
+    """This rank's cuts (tensor_parallel.DimCut) of a checkpoint tensor of `shape` that loads into
+    `param_name`; () for a tensor every rank loads whole.
+
+    A sharded module (a Linear, the vocab-parallel embedding) has `n_slices` / `k_slice` and
+    says through `tensor_split` how each of its tensors follows those axes."""
+    module_name, _, leaf = param_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    n_slices, k_slice = getattr(module, "n_slices", None), getattr(module, "k_slice", None)
+    if n_slices is None and k_slice is None:
+        return ()
+    split = module.tensor_split(leaf)
+    if split is None:
+        method = getattr(module, "quant_method", None)
+        what = f"the {method.name!r} format" if method is not None else type(module).__name__
+        raise UnsupportedError(f"{module_name}: {what} declares no tensor-parallel rule for '{leaf}' "
+                               f"(checkpoint tensor '{tensor_name}'); it can only run with tp=1")
+    cuts = []
+    if n_slices is not None and split.n_dim is not None:
+        covered = n_slices if shard_id is None else (n_slices[module.shard_layout.shard_ids.index(shard_id)],)
+        cuts.append(axis_cut(tensor_name, module_name, shape, split.n_dim, covered, "output"))
+    if k_slice is not None and split.k_dim is not None:
+        cuts.append(axis_cut(tensor_name, module_name, shape, split.k_dim, (k_slice,), "input"))
+    return tuple(cuts)
 
 
 def _expected_here(model, param_name: str) -> str:

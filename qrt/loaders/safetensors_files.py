@@ -148,19 +148,69 @@ def count_tensors(files: list[Path]) -> int:
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """Yield (file, name, tensor), one tensor in memory at a time, in file order."""
-    for path in files:
-        entries = sorted(read_header(path), key=lambda e: e.begin)
-        with open(path, "rb") as handle:
-            for entry in entries:
-                yield path, entry.name, _read(handle, path, entry)
+    for path, name, stored in stored_tensors(files):
+        yield path, name, stored.read()
 
 
-def _read(handle, path: Path, entry: TensorEntry) -> torch.Tensor:
-    tensor = torch.empty(entry.shape, dtype=entry.dtype)
-    if entry.nbytes == 0:
+def stored_tensors(files: list[Path]) -> list[tuple[Path, str, "StoredTensor"]]:
+    """(file, name, StoredTensor) of every tensor, in file order; nothing is read but the headers."""
+    return [(path, entry.name, StoredTensor(path, entry))
+            for path in files for entry in sorted(read_header(path), key=lambda e: e.begin)]
+
+
+# Rows read at a time when a cut runs along an inner dim: bounds the transient buffer.
+_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor in a safetensors file, read on demand, whole or cut to a rank's part
+    (tensor_parallel.DimCut): a cut along dim 0 reads only its rows' bytes; a cut along an inner
+    dim reads rows a few MiB at a time and keeps their part."""
+
+    path: Path
+    entry: TensorEntry
+
+    @property
+    def shape(self) -> tuple:
+        return self.entry.shape
+
+    def read(self, cuts=()) -> torch.Tensor:
+        if not cuts:
+            return self._rows(0, self.entry.shape[0] if self.entry.shape else 1, whole=True)
+        if len(cuts) > 1:
+            raise ValueError(f"{self.entry.name}: one cut per tensor, got {len(cuts)}")
+        (cut,) = cuts
+        if cut.dim == 0:
+            pieces = [self._padded_rows(start, length, cut.size) for start, length in cut.segments]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        from .tensor_parallel import cut_tensor
+
+        rows = self.entry.shape[0]
+        row_bytes = max(self.entry.nbytes // max(rows, 1), 1)
+        step = max(1, _CHUNK_BYTES // row_bytes)
+        return torch.cat([cut_tensor(self._rows(start, min(step, rows - start)), cuts)
+                          for start in range(0, rows, step)])
+
+    def _padded_rows(self, start: int, length: int, size: int) -> torch.Tensor:
+        """Rows [start, start + length), zeros past the tensor's `size` rows (a padded vocabulary)."""
+        stored = max(min(start + length, size) - start, 0)
+        rows = self._rows(start, stored)
+        if stored == length:
+            return rows
+        return torch.cat([rows, rows.new_zeros((length - stored, *rows.shape[1:]))])
+
+    def _rows(self, start: int, count: int, whole: bool = False) -> torch.Tensor:
+        entry = self.entry
+        shape = entry.shape if whole else (count, *entry.shape[1:])
+        tensor = torch.empty(shape, dtype=entry.dtype)
+        nbytes = tensor.numel() * entry.dtype.itemsize
+        if nbytes == 0:
+            return tensor
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape else entry.nbytes
+        with open(self.path, "rb") as handle:
+            handle.seek(entry.begin + start * row_bytes)
+            buffer = tensor.view(-1).view(torch.uint8).numpy()  # shares memory with `tensor`
+            if handle.readinto(buffer) != nbytes:
+                raise CheckpointError(self.path, entry.name, "file ended while reading the tensor: truncated")
         return tensor
-    handle.seek(entry.begin)
-    buffer = tensor.view(-1).view(torch.uint8).numpy()  # shares memory with `tensor`
-    if handle.readinto(buffer) != entry.nbytes:
-        raise CheckpointError(path, entry.name, "file ended while reading the tensor: truncated")
-    return tensor

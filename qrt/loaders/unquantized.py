@@ -7,12 +7,14 @@ import torch
 from qrt.kernels.choices import choose
 from qrt.kernels.onednn_cpu import dense_linear
 
+from .tensor_parallel import DENSE_WEIGHT
 from .linear import LinearMethod, copy_rows, make_parameter
 
 
 class UnquantizedLinearMethod(LinearMethod):
     name = "bf16"  # shown by inspect; the actual dtype is the model's
     stores_dense_weight = True
+    shard_rule = {"weight": DENSE_WEIGHT}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size

@@ -15,6 +15,7 @@ from qrt.kernels.int8_reference import MIN_SCALE
 
 from .ct_w8a8 import annotate_int8_layout
 from .errors import TensorMismatch
+from .tensor_parallel import DENSE_WEIGHT
 from .linear import LinearMethod, check_shape, make_parameter
 from .registry import online_format
 
@@ -42,6 +43,7 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
 
 class W8A8OnlineLinearMethod(LinearMethod):
     name = "w8a8"
+    shard_rule = {"weight": DENSE_WEIGHT}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size

@@ -22,6 +22,7 @@ from qrt.passes.backend import QrtBackend
 
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
                             use_qrt_inductor_dir)
+from .distributed import broadcast_from_first, rank_device, tensor_parallel
 from .malloc import map_large_allocations
 from .registry import ModelRegistry
 from .sampling import SamplingParams, sample
@@ -52,6 +53,7 @@ def compile_model(
     autotune: bool | None = None,
     cache: bool = True,
     progress: bool = True,
+    tp: int = 1,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
 
@@ -66,6 +68,9 @@ def compile_model(
     autotune (frozen build, CPU): let Inductor time its GEMM implementations for each matmul of
     the decode graph while compiling. None: on for the frozen build unless QRT_AUTOTUNE=0.
     cache: look up and store the compiled graphs in qrt's compile cache ($QRT_CACHE_DIR/compiled).
+    tp: tensor parallelism over that many ranks, one process each (started by torchrun; call
+    compile_model in every one). Each rank loads only its part of the weights; only rank 0 reports
+    progress; every rank returns the same tokens.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -80,13 +85,17 @@ def compile_model(
 
         path = default_model_path(progress=progress)
     map_large_allocations()
+    parallel = tensor_parallel(tp, torch.device(device_config.device if device_config else device))
+    progress = progress and parallel.rank == 0
+    if parallel.sharded:
+        device = rank_device(torch.device(device), parallel)
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
     checkpoint = open_checkpoint(path, load_config)
     hf_config = checkpoint.hf_config
     model_cls = ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
     scheme = resolve_scheme(hf_config, quant, checkpoint.config_path, checkpoint.folder)
-    model = load_model(model_cls, checkpoint, scheme, load_config, device_config)
+    model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel)
     if compile and build == "regional":
         prepack_cpu_weights(model)
     limit = model.config.max_position_embeddings
@@ -101,6 +110,7 @@ def compile_model(
             "load_format": load_config.load_format, "quant": scheme.describe(), "device": str(device_config.device),
             "kernel_device": str(device_config.kernel_device), "dtype": str(next(model.parameters()).dtype), "max_seq_len": max_seq_len,
             "max_batch_size": max_batch_size, "build": build, "model": model_cls.__name__,
+            "tp": parallel.size, "rank": parallel.rank,
         })
         compile_cache = CompileCache(key, parts)
         use_qrt_inductor_dir()
@@ -146,6 +156,7 @@ class CompiledModel:
         self.source = Path(source)
         self.progress = progress
         self.device = next(model.parameters()).device
+        self.parallel = model.config.parallel
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.max_seq_len
         self.build = build
@@ -247,7 +258,7 @@ class CompiledModel:
         recompute_at = self.model.rotary.long_from
         sequence = ids if recompute_at is not None else None  # [B, seq + step]: what a recompute would run
         for step in range(max_new_tokens):
-            tokens = sample(logits[:, -1], params, generator)  # [B]
+            tokens = broadcast_from_first(sample(logits[:, -1], params, generator), self.parallel)  # [B]
             for row, token_id in enumerate(tokens.tolist()):
                 if not finished[row]:
                     rows[row].append(token_id)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from qrt.kernels.activation_reference import ACTIVATIONS
 from qrt.loaders.errors import ConfigError, UnsupportedError
+from qrt.loaders.tensor_parallel import SINGLE, Parallelism
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 SCALED_ROPES = ("linear", "llama3", "yarn", "longrope")
@@ -50,6 +51,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_logit_softcap: float | None = None  # the same on the output logits
+    parallel: Parallelism = SINGLE  # the tensor-parallel group the model is built for (not from config.json)
 
     @classmethod
     def from_hf(cls, hf: dict, architecture: str, *, source="config.json", partial_rotary=False) -> "ModelConfig":

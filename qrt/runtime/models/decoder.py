@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from qrt.loaders.linear import KV_SCALE_RENAMES, CheckpointNames, Linear
+from qrt.loaders.tensor_parallel import SINGLE, Parallelism
 
 from .config import ModelConfig
 from .layers import DecoderLayer, Embedding, RotaryEmbedding
@@ -38,7 +39,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, scheme, dtype, layer_cls):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, cfg.parallel)
         self.layers = nn.ModuleList(layer_cls(cfg, i, scheme, dtype) for i in range(cfg.num_layers))
         self.norm = layer_cls.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -56,13 +57,15 @@ class CausalLM(nn.Module):
     def read_config(cls, hf_config: dict, source) -> ModelConfig:
         return ModelConfig.from_hf({**cls.config_defaults, **hf_config}, cls.__name__, source=source)
 
-    def __init__(self, hf_config: dict, scheme, dtype, source="config.json"):
+    def __init__(self, hf_config: dict, scheme, dtype, source="config.json", parallel: Parallelism = SINGLE):
         super().__init__()
-        self.config = cfg = self.read_config(hf_config, source)
+        self.config = cfg = replace(self.read_config(hf_config, source), parallel=parallel)
         self.dtype = dtype
         self.model = DecoderModel(cfg, scheme, dtype, self.layer_cls)
+        # Vocab-parallel: each rank computes the logits of its slice, gathered into the full row.
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, dtype=dtype,
-                              method=scheme.method_for("lm_head"))
+                              method=scheme.method_for("lm_head"), parallel=parallel,
+                              n_slices=[parallel.vocab(cfg.vocab_size)], gather_output=True)
         if cfg.tie_word_embeddings and self.lm_head.quant_method.stores_dense_weight:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope)

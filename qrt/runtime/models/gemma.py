@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from qrt.loaders.errors import UnsupportedError
+from qrt.loaders.tensor_parallel import SINGLE
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, Rope
 from .decoder import CausalLM
@@ -67,8 +68,8 @@ class Gemma2ForCausalLM(CausalLM):
             layer_types=read.layer_types(cfg.num_layers, default_types),
         )
 
-    def __init__(self, hf_config: dict, scheme, dtype, source="config.json"):
-        super().__init__(hf_config, scheme, dtype, source)
+    def __init__(self, hf_config: dict, scheme, dtype, source="config.json", parallel=SINGLE):
+        super().__init__(hf_config, scheme, dtype, source, parallel)
         # transformers multiplies by sqrt(hidden_size) rounded to the model dtype.
         self.embed_scale = float(torch.tensor(self.config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
         self.final_logit_softcap = self.config.final_logit_softcap

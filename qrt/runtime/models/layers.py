@@ -17,6 +17,7 @@ from torch import nn
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
 
 from qrt.loaders.linear import Linear, copy_rows, create_kv_scales, dequantize_kv, make_parameter, quantize_kv
+from qrt.loaders.tensor_parallel import SINGLE, Parallelism, TensorSplit, all_reduce
 
 from .config import SLIDING_ATTENTION, ModelConfig, Rope
 
@@ -37,15 +38,32 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, size: int, dtype):
+    """Token embeddings; in a sharded model each rank holds a slice of the vocabulary
+    (tensor_parallel.Parallelism.vocab): a token outside it looks up zeros, and the sum over the
+    ranks gives every rank its row."""
+
+    def __init__(self, vocab_size: int, size: int, dtype, parallel: Parallelism = SINGLE):
         super().__init__()
+        self.parallel = parallel
+        vocab = parallel.vocab(vocab_size)
+        self.n_slices = (vocab,) if parallel.sharded else None  # read by the loader
+        self.k_slice = None
+        self.first_id = vocab.start
         self.weight = make_parameter(
-            torch.empty(vocab_size, size, dtype=dtype),  # [V, D]
+            torch.empty(vocab.length, size, dtype=dtype),  # [V / tp (padded), D]
             weight_loader=_copy_whole, output_dim=0, input_dim=1, quant_format="bf16",
         )
 
+    def tensor_split(self, param_name: str) -> TensorSplit:
+        return TensorSplit(n_dim=0, k_dim=None)  # vocabulary rows; every rank holds all D columns
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self.parallel.sharded:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first_id  # [B, T]
+        held = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [B, T, D]
+        return all_reduce(rows * held.unsqueeze(-1).to(rows.dtype), self.parallel)
 
 
 def _copy_whole(param, loaded, shard_id):
@@ -178,16 +196,21 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, norm_cls, fused_checkpoint: bool):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        tp, hd = cfg.parallel, cfg.head_dim
+        # Column-parallel q/k/v by heads (KV heads replicated when there are fewer than ranks),
+        # row-parallel o_proj: this rank attends with its own heads.
+        q_part = tp.heads(cfg.num_heads, hd, f"{prefix}: num_attention_heads", replicate=False)
+        kv_part = tp.heads(cfg.num_kv_heads, hd, f"{prefix}: num_key_value_heads", replicate=True)
+        self.num_heads, self.num_kv_heads, self.head_dim = q_part.length // hd, kv_part.length // hd, hd
+        q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         if fused_checkpoint:
             shards = dict(method=scheme.method_for(f"{prefix}.qkv_proj"))
         else:
             shards = dict(shard_ids=("q", "k", "v"), method=scheme.method_for([f"{prefix}.{p}_proj" for p in "qkv"]))
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias, dtype=dtype, **shards)
-        self.o_proj = Linear(
-            q_size, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.o_proj")
-        )
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias, dtype=dtype,
+                               parallel=tp, n_slices=[q_part, kv_part, kv_part], **shards)
+        self.o_proj = Linear(q_size, [cfg.hidden_size], bias=False, dtype=dtype,
+                             method=scheme.method_for(f"{prefix}.o_proj"), parallel=tp, k_slice=q_part)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -211,7 +234,7 @@ class Attention(nn.Module):
         S' cache entries; input_pos: [T] positions to write into the KV cache, or None to attend
         within x only."""
         bsz, seq, _ = x.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, T, hd]
@@ -259,15 +282,16 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, fused_checkpoint: bool):
         super().__init__()
-        inter = cfg.intermediate_size
+        inter, tp = cfg.intermediate_size, cfg.parallel
+        part = tp.even(inter, f"{prefix}: intermediate_size")  # column-parallel gate/up, row-parallel down
         if fused_checkpoint:
             shards = dict(method=scheme.method_for(f"{prefix}.gate_up_proj"))
         else:
             shards = dict(shard_ids=(0, 1), method=scheme.method_for([f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype, **shards)
-        self.down_proj = Linear(
-            inter, [cfg.hidden_size], bias=False, dtype=dtype, method=scheme.method_for(f"{prefix}.down_proj")
-        )
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype, parallel=tp,
+                                   n_slices=[part, part], **shards)
+        self.down_proj = Linear(inter, [cfg.hidden_size], bias=False, dtype=dtype,
+                                method=scheme.method_for(f"{prefix}.down_proj"), parallel=tp, k_slice=part)
         self.activation = cfg.hidden_act
 
     def forward(self, x):

@@ -1,0 +1,190 @@
+"""Tensor parallelism's part of the quantized-linear contract: which part of each axis a rank
+holds, how a checkpoint tensor divides between ranks, and the collectives a sharded layer calls.
+
+The layout is Megatron's, which vLLM, SGLang and gpt-fast also use: q/k/v and gate/up split their
+output features between ranks (column-parallel), o_proj and down_proj their input features
+(row-parallel), so each block needs one all-reduce after attention and one after the MLP. The
+embedding and lm_head split the vocabulary.
+
+Shapes of a sharded model are this rank's: a `Linear` is built with its rank's sizes, every format
+creates its parameters as it would for a smaller layer, and the loader hands each weight_loader the
+rank's slice of the checkpoint tensor (cut by the format's `TensorSplit`s, see `split_plan`). A
+format therefore shards without sharding code of its own, except where a tensor does not follow its
+layer's axes (act-order group scales, which every rank needs whole).
+
+The collectives are torch's functional collectives: Dynamo traces them into the one compiled
+graph, where Inductor schedules them like any other op (no graph break at a communication).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedError
+
+# A split vocabulary is padded so that each rank holds a multiple of this many rows: packed and
+# grouped lm_head layouts then split on whole words and groups.
+VOCAB_PAD = 64
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The tensor-parallel group a model is built for: `size` ranks, this process being `rank`.
+
+    size 1 is a model that is not sharded; `group` is the torch.distributed process group (None
+    when size is 1)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    def even(self, full: int, what: str) -> "RankSlice":
+        """`full` entries split into `size` equal parts."""
+        part = RankSlice(full, self.size, self.rank)
+        if full % self.size:
+            raise UnsupportedError(f"{what}: {full} cannot be split between {self.size} ranks; "
+                                   f"{_largest_dividing(full, self.size)}")
+        return part
+
+    def heads(self, heads: int, head_dim: int, what: str, replicate: bool) -> "RankSlice":
+        """`heads` attention heads of `head_dim`: split between ranks, or, with `replicate`, each
+        head held by size / heads ranks when there are fewer heads than ranks (KV heads)."""
+        if heads % self.size == 0:
+            return RankSlice(heads * head_dim, self.size, self.rank)
+        if replicate and self.size % heads == 0:
+            return RankSlice(heads * head_dim, heads, self.rank // (self.size // heads))
+        rule = (f"{heads} heads split between {self.size} ranks, or replicated when the ranks are a multiple "
+                f"of the heads" if replicate else f"{heads} heads split evenly between {self.size} ranks")
+        allowed = [t for t in range(self.size, 0, -1) if heads % t == 0 or (replicate and t % heads == 0)]
+        raise UnsupportedError(f"{what}: cannot shard {rule}; the largest tp that works is {allowed[0]}")
+
+    def vocab(self, full: int) -> "RankSlice":
+        """A vocabulary split between ranks, padded to whole parts of VOCAB_PAD rows."""
+        if self.size == 1:
+            return RankSlice(full, 1, 0)
+        per_rank = -(-full // (self.size * VOCAB_PAD)) * VOCAB_PAD
+        return RankSlice(full, self.size, self.rank, per_rank)
+
+
+SINGLE = Parallelism()
+
+
+def _largest_dividing(full: int, size: int) -> str:
+    return f"the largest tp that works is {max(t for t in range(1, size + 1) if full % t == 0)}"
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """Part `index` of `parts` equal parts of an axis of `full` entries (output rows or input
+    channels): [start, start + length). `padded`: each part's length when the axis is padded to
+    whole parts (a vocabulary); entries past `full` are zeros."""
+
+    full: int
+    parts: int
+    index: int
+    padded: int | None = None
+
+    @property
+    def length(self) -> int:
+        return self.padded if self.padded is not None else self.full // self.parts
+
+    @property
+    def start(self) -> int:
+        return self.index * self.length
+
+    @property
+    def whole(self) -> bool:
+        return self.parts == 1
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How one checkpoint tensor of a format follows its layer's axes: the dim of the tensor that
+    runs along the output features (n_dim) and the one along the input features (k_dim). None:
+    the tensor does not run along that axis (a per-tensor scale; a per-channel scale has no K),
+    and every rank loads it whole along it.
+
+    The unit of a dim is derived from the sizes: a dim of 1536 / 128 entries over an axis of 1536
+    holds 128 input channels per entry (a group scale), one of 1536 / 8 holds 8 (int32 words of
+    4-bit values). A rank's part must fall on whole entries, which is how a format's group and
+    packing constraints are checked without code of its own."""
+
+    n_dim: int | None
+    k_dim: int | None
+
+
+# The dense [N, K] weight: what bf16 checkpoints store and online formats quantize as it streams in.
+DENSE_WEIGHT = TensorSplit(n_dim=0, k_dim=1)
+OUTPUT_VECTOR = TensorSplit(n_dim=0, k_dim=None)  # a bias, per-channel scales [N]
+WHOLE = TensorSplit(n_dim=None, k_dim=None)  # a per-tensor scale
+
+
+@dataclass(frozen=True)
+class DimCut:
+    """One dim of a loaded tensor cut down to this rank's entries: the concatenation of
+    `segments` ((start, length) in entries; entries past `size` are zeros)."""
+
+    dim: int
+    size: int
+    segments: tuple
+
+
+def axis_cut(tensor_name: str, layer_name: str, shape, dim: int, slices, axis: str) -> DimCut:
+    """The cut of `shape[dim]`, which runs along `axis` ("output" or "input") of a layer whose
+    rank slices of that axis are `slices` (one per fused shard the tensor holds, in order).
+
+    Raises UnsupportedError, naming the tensor, the layer and the largest tp that would work,
+    when a rank's part does not fall on whole entries of the dim."""
+    full = sum(s.full for s in slices)
+    size = shape[dim]
+    if size == 0 or full % size:
+        raise UnsupportedError(f"{layer_name}: '{tensor_name}' has {size} entries along dim {dim}, which do not "
+                               f"divide the layer's {full} {axis} features; the tensor cannot be sharded")
+    unit = full // size  # features per entry: a group, a packed word, a block
+    segments, offset = [], 0
+    for s in slices:
+        if s.start % unit or s.length % unit or offset % unit:
+            parts = s.parts
+            allowed = max(t for t in range(1, parts + 1) if s.full % (t * unit) == 0)
+            raise UnsupportedError(
+                f"{layer_name}: the {axis} features split into {parts} parts of {s.length} do not fall on whole "
+                f"entries of '{tensor_name}', which holds {unit} {axis} features per entry along dim {dim} "
+                f"(a group or a packed word); the largest tp this layer allows is {allowed}")
+        segments.append(((offset + s.start) // unit, s.length // unit))
+        offset += s.full
+    return DimCut(dim, size, tuple(segments))
+
+
+def cut_tensor(tensor: torch.Tensor, cuts) -> torch.Tensor:
+    """The rank's part of a whole loaded tensor (for readers that cannot read a slice)."""
+    for cut in cuts:
+        pieces = []
+        for start, length in cut.segments:
+            stop = min(start + length, cut.size)
+            piece = tensor.narrow(cut.dim, start, max(stop - start, 0))
+            if stop - start < length:  # a padded vocabulary: the rows past the end are zeros
+                pad_shape = list(tensor.shape)
+                pad_shape[cut.dim] = length - max(stop - start, 0)
+                piece = torch.cat([piece, tensor.new_zeros(pad_shape)], dim=cut.dim)
+            pieces.append(piece)
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cut.dim)
+    return tensor.contiguous()
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+def all_reduce(x: torch.Tensor, parallel: Parallelism) -> torch.Tensor:
+    """Sum of `x` over the ranks (the partial results of a row-parallel layer)."""
+    import torch.distributed._functional_collectives as collectives
+
+    return collectives.all_reduce(x, "sum", parallel.group)
+
+
+def all_gather_last(x: torch.Tensor, parallel: Parallelism) -> torch.Tensor:
+    """Every rank's `x` concatenated along the last dim (vocab-parallel logits)."""
+    import torch.distributed._functional_collectives as collectives
+
+    return collectives.all_gather_tensor(x.contiguous(), x.dim() - 1, parallel.group)
