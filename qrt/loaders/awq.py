@@ -16,6 +16,7 @@ from qrt.kernels.int_reference import pack_factor, unpack_rows
 from .errors import ConfigError, UnsupportedError
 from .int_weights import IntWeights, apply_int_layout, copy_ints, install_int_weights, remove_parameters, scaled_shards
 from .linear import LinearMethod, copy_rows, make_parameter
+from .tensor_parallel import TensorSplit
 from .quant import QuantScheme
 from .registry import stored_format
 
@@ -42,6 +43,8 @@ def unpack_awq(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 class AwqLinearMethod(LinearMethod):
     name = "awq"
+    # qweight [K, N / pf], qzeros [K / G, N / pf], scales [K / G, N]: all run along both axes.
+    shard_rule = {"qweight": TensorSplit(1, 0), "qzeros": TensorSplit(1, 0), "scales": TensorSplit(1, 0)}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size

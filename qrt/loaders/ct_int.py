@@ -23,6 +23,7 @@ from .errors import TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
                           loaded_g_idx, remove_parameters, shard_slot)
 from .linear import LinearMethod, check_shape, copy_rows, make_parameter
+from .tensor_parallel import DENSE_WEIGHT, WHOLE, TensorSplit
 from .quant import QuantScheme
 from .registry import CompressedTensorsGroup, compressed_tensors_format
 
@@ -45,10 +46,11 @@ class CtIntConfig:
 
 
 def _check_weight_shape(param, loaded, shard_id, *, layer):
-    """`weight_shape` is the unpadded [N, K] of one shard: it must be this layer's."""
-    n = layer.output_size if layer.shard_layout is None else layer.shard_layout.offsets[shard_id][1]
-    if loaded.numel() != 2 or [int(v) for v in loaded.reshape(-1)] != [n, layer.input_size]:
-        raise TensorMismatch(f"holds {loaded.tolist()}, but the model's layer is [{n}, {layer.input_size}]")
+    """`weight_shape` is the unpadded [N, K] of one shard of the whole layer: it must be this layer's."""
+    n = layer.full_shard_sizes[shard_slot(layer, shard_id)] if layer.shard_layout is not None \
+        else layer.full_output_size
+    if loaded.numel() != 2 or [int(v) for v in loaded.reshape(-1)] != [n, layer.full_input_size]:
+        raise TensorMismatch(f"holds {loaded.tolist()}, but the model's layer is [{n}, {layer.full_input_size}]")
     param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 
@@ -69,11 +71,22 @@ def _load_zero_point(param, loaded, shard_id, *, layer, bits):
 class CtIntLinearMethod(LinearMethod):
     name = "ct-int"
 
+    def tensor_split(self, layer, param_name: str):
+        # As GPTQ's: per-channel scales have no K, and act-order layers split along K keep every group.
+        whole_groups = self.cfg.group_size == -1 or self._whole_groups(layer)
+        grouped = TensorSplit(0, None if whole_groups else 1)
+        return {"weight_packed": DENSE_WEIGHT, "weight": DENSE_WEIGHT, "weight_shape": WHOLE, "weight_scale": grouped,
+                "weight_zero_point": grouped, "weight_g_idx": TensorSplit(None, 0)}.get(param_name)
+
+    def _whole_groups(self, layer) -> bool:
+        return self.cfg.actorder and layer.splits_input
+
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
         shards = layer.shard_layout
         slots = 1 if shards is None else len(shards.shard_ids)
-        groups = 1 if cfg.group_size == -1 else group_count(k, cfg.group_size)
+        group_k = layer.full_input_size if self._whole_groups(layer) else k
+        groups = 1 if cfg.group_size == -1 else group_count(group_k, cfg.group_size)
         common = dict(quant_format=self.name)
         if cfg.packed:
             pf = pack_factor(cfg.bits)

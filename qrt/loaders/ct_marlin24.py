@@ -31,6 +31,7 @@ from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights, remove_parameters,
                           shard_slot)
 from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
+from .tensor_parallel import WHOLE, TensorSplit
 from .quant import QuantScheme
 from .registry import CompressedTensorsGroup, compressed_tensors_format
 from .qqq import unpermute_columns
@@ -138,15 +139,23 @@ def unpermute_scales(scale_packed: torch.Tensor, group_size: int, k: int) -> tor
 
 
 def _check_weight_shape(param, loaded, shard_id, *, layer):
-    """vLLM declares a `weight_shape` int64 [2]; when a file has one it must be this shard's [N, K]."""
-    n = layer.output_size if layer.shard_layout is None else layer.shard_layout.offsets[shard_id][1]
-    if loaded.dtype != torch.int64 or [int(v) for v in loaded.reshape(-1)] != [n, layer.input_size]:
-        raise TensorMismatch(f"holds {loaded.tolist()} ({loaded.dtype}), expected int64 [{n}, {layer.input_size}]")
+    """vLLM declares a `weight_shape` int64 [2]; when a file has one it must be this shard's [N, K]
+    (of the whole layer, in a sharded model)."""
+    n, k = layer.full_shard_sizes[shard_slot(layer, shard_id)], layer.full_input_size
+    if loaded.dtype != torch.int64 or [int(v) for v in loaded.reshape(-1)] != [n, k]:
+        raise TensorMismatch(f"holds {loaded.tolist()} ({loaded.dtype}), expected int64 [{n}, {k}]")
     param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 
 class CtMarlin24LinearMethod(LinearMethod):
     name = "ct-marlin-24"
+
+    def tensor_split(self, layer, param_name: str):
+        # Rows of weight_packed and meta cover 32 input channels; every permutation and the
+        # metadata reordering stay within runs of 64 output channels (two columns each).
+        tiles = TensorSplit(1, 0, n_align=64)
+        scales = TensorSplit(1, None if self.cfg.group_size == -1 else 0, n_align=64)
+        return {"weight_packed": tiles, "meta": tiles, "scale_packed": scales, "weight_shape": WHOLE}.get(param_name)
 
     def _group(self, k: int) -> int:
         return k if self.cfg.group_size == -1 else self.cfg.group_size
@@ -189,7 +198,8 @@ class CtMarlin24LinearMethod(LinearMethod):
             # The loader pass no longer knows which weight file held the tensor: name the folder.
             raise CheckpointError(Path(self.cfg.source).parent, f"{module}.meta",
                                   f"output channel {channel} {err.problem}; not a valid marlin-24 export") from None
-        scales = unpermute_scales(layer.scale_packed.data, self.cfg.group_size, k).contiguous()  # [groups, N]
+        # The producer chose whether to permute from the whole layer's K, not a rank's part of it.
+        scales = unpermute_scales(layer.scale_packed.data, self.cfg.group_size, layer.full_input_size).contiguous()
         zeros = torch.full_like(scales, float(ZERO_CODE))
         weights = IntWeights(q, scales, zeros, BITS, self._group(k))
         remove_parameters(layer, *_CHECKPOINT_TENSORS)

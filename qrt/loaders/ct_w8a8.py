@@ -26,6 +26,7 @@ from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import copy_ints, shard_slot
 from .linear import LinearMethod, check_shape, make_parameter
+from .tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE
 from .quant import QuantScheme
 from .registry import CompressedTensorsGroup, compressed_tensors_format
 
@@ -104,6 +105,13 @@ def merge_static_inputs(scales: torch.Tensor, zeros: torch.Tensor | None):
 
 class CtW8A8LinearMethod(LinearMethod):
     name = "ct-w8a8"
+
+    def tensor_split(self, layer, param_name: str):
+        # Static input scales and zero points are per tensor; the zero-point correction is derived
+        # by the loader pass from each rank's own weight rows and K slice, so the ranks' partial
+        # outputs sum to the correction of the whole layer.
+        scale = WHOLE if self.cfg.weight_strategy == "tensor" else OUTPUT_VECTOR
+        return {"weight": DENSE_WEIGHT, "weight_scale": scale, "input_scale": WHOLE, "input_zero_point": WHOLE}.get(param_name)
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size

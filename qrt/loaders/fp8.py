@@ -21,7 +21,7 @@ from qrt.kernels.choices import choose
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
 from .errors import TensorMismatch, UnsupportedError
-from .tensor_parallel import DENSE_WEIGHT
+from .tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, rank_columns
 from .linear import LinearMethod, ShardLayout, check_shape, make_parameter, replace_parameter
 from .registry import online_format
 
@@ -35,9 +35,9 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
     if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
         raise TensorMismatch(f"dtype {loaded.dtype}, expected a bf16/fp16/fp32 weight to quantize")
     rows = param.data if layout is None else layout.rows(param.data, shard_id)
-    check_shape(loaded, rows.shape)
+    check_shape(loaded, (rows.shape[0], layer.full_input_size))
     codes, scales = quantize_rows_fp8(loaded)  # [n, K] fp8, [n, 1] fp32
-    rows.copy_(codes)
+    rows.copy_(rank_columns(layer, codes))
     scales_param = layer.weight_scale.data
     scale_rows = scales_param if layout is None else layout.rows(scales_param, shard_id)
     scale_rows.copy_(scales.squeeze(1))
@@ -45,7 +45,7 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
 
 class Fp8OnlineLinearMethod(LinearMethod):
     name = "fp8"
-    shard_rule = {"weight": DENSE_WEIGHT}
+    shard_rule = {"weight": DENSE_WEIGHT_WHOLE_ROWS}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size

@@ -22,6 +22,7 @@ from qrt.kernels.fp8_reference import FP8_DTYPE
 
 from .errors import ConfigError, TensorMismatch, UnsupportedError
 from .linear import LinearMethod, ShardLayout, check_shape, copy_rows, make_parameter, replace_parameter
+from .tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE
 from .quant import QuantScheme, read_json
 from .registry import CompressedTensorsGroup, compressed_tensors_format, side_file, stored_format
 
@@ -92,6 +93,10 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     def __init__(self, layout: Fp8Layout, family: str):
         super().__init__(layout)
         self.family = family
+        # Per-tensor scales (one per fused shard) go whole to every rank, per-channel ones follow
+        # the output rows, a block-scale grid runs along both axes in whole blocks.
+        weight_scale = {"tensor": WHOLE, "channel": OUTPUT_VECTOR, "block": DENSE_WEIGHT}[layout.weight]
+        self.shard_rule = {"weight": DENSE_WEIGHT, layout.scale_name: weight_scale, "input_scale": WHOLE}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size

@@ -22,6 +22,7 @@ from .errors import ConfigError, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
                           loaded_g_idx, remove_parameters, scaled_shards)
 from .linear import LinearMethod, copy_rows, make_parameter
+from .tensor_parallel import TensorSplit
 from .quant import QuantScheme
 from .registry import stored_format
 
@@ -56,11 +57,22 @@ def gptq_zero_points(qzeros: torch.Tensor, bits: int, n: int, v2: bool) -> torch
 class GptqLinearMethod(LinearMethod):
     name = "gptq"
 
+    def tensor_split(self, layer, param_name: str):
+        # Group scales and zeros run along K in groups, except one group per channel and act-order
+        # layers split along K: their input channels pick groups anywhere, so every rank holds all
+        # groups (vLLM's rule) and the loader pass keeps those its channels use.
+        grouped_k = None if self.cfg.group_size == -1 or self._whole_groups(layer) else 0
+        return {"qweight": TensorSplit(1, 0), "qzeros": TensorSplit(1, grouped_k), "scales": TensorSplit(1, grouped_k),
+                "g_idx": TensorSplit(None, 0)}.get(param_name)
+
+    def _whole_groups(self, layer) -> bool:
+        return self.cfg.desc_act and layer.splits_input
+
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
         pf = pack_factor(cfg.bits)
         group = k if cfg.group_size == -1 else cfg.group_size
-        groups = group_count(k, group)
+        groups = group_count(layer.full_input_size if self._whole_groups(layer) else k, group)
         if k % pf:
             raise UnsupportedError(f"{self.module_names[0]}: {k} input channels do not fill whole int32 words of "
                                    f"{pf} {cfg.bits}-bit values")

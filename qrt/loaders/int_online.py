@@ -20,9 +20,9 @@ import torch
 
 from qrt.kernels.int_reference import pack_factor, pack_rows, unpack_rows
 
-from .errors import TensorMismatch
+from .errors import TensorMismatch, UnsupportedError
 from .int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters
-from .tensor_parallel import DENSE_WEIGHT
+from .tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, largest_tp, rank_columns
 from .linear import LinearMethod, check_shape, make_parameter
 from .registry import online_format
 
@@ -76,53 +76,69 @@ def quantize_int_rows(w: torch.Tensor, bits: int, group_size: int, scale_dtype: 
     return q.reshape(n, -1)[:, :k].to(torch.int32), scales, zeros
 
 
-def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, cfg: OnlineIntConfig):
-    """weight_loader: quantize a float shard [n, K] into its columns of the packed weight."""
+def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, method):
+    """weight_loader: quantize a float shard [n, K] into its columns of the packed weight. A
+    row-parallel rank quantizes whole rows, as one rank would, and keeps its input channels."""
     if not loaded.dtype.is_floating_point or loaded.dtype.itemsize == 1:
         raise TensorMismatch(f"dtype {loaded.dtype}, expected a bf16/fp16/fp32 weight to quantize")
-    shards = layer.shard_layout
+    shards, cfg = layer.shard_layout, method.cfg
     columns = param.data if shards is None else shards.rows(param.data, shard_id, dim=1)
-    check_shape(loaded, (columns.shape[1], layer.input_size))
-    k = layer.input_size
+    check_shape(loaded, (columns.shape[1], layer.full_input_size))
+    group = cfg.group_size(layer.full_input_size)
+    per_channel = group == layer.full_input_size  # one scale per row: every rank keeps it whole
     targets = {name: getattr(layer, name).data for name in ("scales", "zeros")}
     if shards is not None:
         targets = {name: shards.rows(target, shard_id, dim=1) for name, target in targets.items()}
     for start in range(0, loaded.shape[0], _ROWS_PER_CHUNK):
         rows = slice(start, start + _ROWS_PER_CHUNK)
-        q, scales, zeros = quantize_int_rows(loaded[rows], cfg.bits, cfg.group_size(k), layer.params_dtype)
-        columns[:, rows].copy_(pack_rows(q.t(), cfg.bits))
+        q, scales, zeros = quantize_int_rows(loaded[rows], cfg.bits, group, layer.params_dtype)
+        if not per_channel:
+            scales, zeros = rank_columns(layer, scales, group), rank_columns(layer, zeros, group)
+        columns[:, rows].copy_(pack_rows(rank_columns(layer, q).t(), cfg.bits))
         targets["scales"][:, rows].copy_(scales.t())
         targets["zeros"][:, rows].copy_(zeros.t())
 
 
 class OnlineIntLinearMethod(LinearMethod):
-    shard_rule = {"weight": DENSE_WEIGHT}  # the bf16 weight it quantizes as it streams in
+    # The bf16 weight it quantizes as it streams in, whole rows on every rank (see _quantize_into).
+    shard_rule = {"weight": DENSE_WEIGHT_WHOLE_ROWS}
 
     def __init__(self, bits: int, max_group: int = 32, module_names=()):
         super().__init__(OnlineIntConfig(bits, max_group), module_names)
         self.name = f"int{bits}"
 
+    def group_size(self, layer) -> int:
+        """The group of this rank's layout: the whole layer's (chosen from its K), or this rank's K
+        for one group per channel."""
+        group = self.cfg.group_size(layer.full_input_size)
+        return layer.input_size if group == layer.full_input_size else group
+
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k, bits = layer.output_size, layer.input_size, self.cfg.bits
-        groups = group_count(k, self.cfg.group_size(k))
+        group = self.group_size(layer)
+        if k % group:
+            raise UnsupportedError(f"{self.module_names[0]}: {k} input channels per rank do not hold whole "
+                                   f"{self.name} groups of {group}; the largest tp this layer allows is "
+                                   f"{largest_tp(layer.full_input_size, group, layer.parallel.size)}")
+        groups = group_count(k, group)
         # Filled by the weight's loader, never read from the checkpoint: no weight_loader.
         layer.scales = make_parameter(torch.empty(groups, n, dtype=dtype), quant_format=self.name)  # [groups, N]
         layer.zeros = make_parameter(torch.empty(groups, n, dtype=torch.float32), quant_format=self.name)
         layer.weight = make_parameter(
             torch.empty(-(-k // pack_factor(bits)), n, dtype=torch.int32),  # [ceil(K / pf), N] along K
-            weight_loader=partial(_quantize_into, layer=layer, cfg=self.cfg), loaded_shape=(n, k),
+            weight_loader=partial(_quantize_into, layer=layer, method=self), loaded_shape=(n, layer.full_input_size),
             input_dim=0, output_dim=1, packed_dim=0, packed_factor=pack_factor(bits), quant_format=self.name,
         )
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         k, bits = layer.input_size, self.cfg.bits
         weights = IntWeights(unpack_rows(layer.weight.data, bits, k), layer.scales.data, layer.zeros.data, bits,
-                             self.cfg.group_size(k))
+                             self.group_size(layer))
         remove_parameters(layer, "weight", "scales", "zeros")
-        self.layout = install_int_weights(layer, weights, device, self.cfg.describe(k))
+        self.layout = install_int_weights(layer, weights, device, self.cfg.describe(layer.full_input_size))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return apply_int_layout(self.layout, layer, x, self.cfg.bits, self.cfg.group_size(layer.input_size))
+        return apply_int_layout(self.layout, layer, x, self.cfg.bits, self.group_size(layer))
 
 
 # Weight-only integer formats also quantize lm_head, to int8 per channel: with 4-bit layers, a bf16

@@ -56,6 +56,15 @@ class IntWeights:
         return ((self.q.float() - self.zeros.float()[group]) * self.scales.float()[group]).t()
 
 
+def _groups_in_use(w: IntWeights) -> IntWeights:
+    """Only the groups the layer's input channels use, renumbered in order: a row-parallel
+    act-order layer holds every group's scales but a part of the channels."""
+    used, g_idx = torch.unique(w.g_idx.long(), return_inverse=True)
+    if used.numel() == w.scales.shape[0]:
+        return w
+    return IntWeights(w.q, w.scales[used], w.zeros[used], w.bits, w.group_size, g_idx.to(torch.int32))
+
+
 def _contiguous_groups(w: IntWeights) -> tuple[IntWeights, torch.Tensor | None] | None:
     """Reorder an act-order weight so each group's input channels are contiguous.
 
@@ -87,6 +96,8 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     dtype = layer.params_dtype
     home = w.q.device  # where the layer was loaded; `device` names the kernel's device
     k, n = w.q.shape
+    if w.g_idx is not None:
+        w = _groups_in_use(w)
     grouped = _contiguous_groups(w)
     layer.register_parameter("perm", None)
     kernel = choose("qrt.int_linear", device.type, bits=w.bits, group_size=w.group_size, k=k, n=n,

@@ -142,10 +142,8 @@ class LinearMethod(ABC):
         self.layout = None  # for formats with several layouts: the one the loader pass chose
 
     def tensor_split(self, layer: "Linear", param_name: str) -> "TensorSplit | None":
-        """The TensorSplit of the checkpoint tensor that loads into `param_name` (the bias follows
-        the output rows in every format)."""
-        if param_name == "bias":
-            return OUTPUT_VECTOR
+        """The TensorSplit of the checkpoint tensor that loads into `param_name`: `shard_rule`'s
+        entry; a format whose rule depends on the layer overrides this."""
         if self.shard_rule is None:
             return None
         return self.shard_rule.get(param_name)
@@ -190,21 +188,26 @@ class Linear(nn.Module):
         self.k_slice = None if k_slice is None or k_slice.whole else k_slice
         if self.n_slices is not None:
             output_sizes = [s.length for s in self.n_slices]
+        full_input_size = input_size
         if self.k_slice is not None:
             input_size = self.k_slice.length
         self.full_output_size = sum(s.full for s in n_slices) if n_slices is not None else sum(output_sizes)
-        self.input_size = input_size
+        self.full_input_size = full_input_size  # K of the whole layer (the checkpoint's), before a row-parallel split
+        self.full_shard_sizes = [s.full for s in n_slices] if n_slices is not None else list(output_sizes)
+        self.input_size = input_size  # this rank's sizes, which the format's tensors are created for
         self.output_size = sum(output_sizes)
         self.has_bias = bias
         self.params_dtype = dtype
         self.shard_layout = None if shard_ids is None else ShardLayout.stacked(shard_ids, output_sizes)
         self.quant_method = method
-        self.reduce_output = self.k_slice is not None
+        # Row-parallel: the output is a partial sum. Tensors that run along K in the checkpoint but
+        # must stay whole on every rank (act-order group scales) are sized by full_input_size.
+        self.splits_input = self.k_slice is not None
         self.gather_output = gather_output and parallel.sharded
         self.register_parameter("bias", None)
         if bias:
             load_bias = partial(copy_rows, layout=self.shard_layout)
-            if self.reduce_output and parallel.rank != 0:
+            if self.splits_input and parallel.rank != 0:
                 load_bias = _zeros_instead
             self.bias = make_parameter(
                 torch.empty(self.output_size, dtype=dtype),  # [N]
@@ -213,11 +216,14 @@ class Linear(nn.Module):
         method.create_weights(self, dtype)
 
     def tensor_split(self, param_name: str) -> TensorSplit | None:
+        """How the checkpoint tensor of `param_name` divides between ranks (read by the loader)."""
+        if param_name == "bias":
+            return OUTPUT_VECTOR  # the Linear's own, in every format
         return self.quant_method.tensor_split(self, param_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
-        if self.reduce_output:
+        if self.splits_input:
             y = all_reduce(y, self.parallel)
         if self.gather_output:
             y = all_gather_last(y, self.parallel)[..., : self.full_output_size]

@@ -35,8 +35,14 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
     dtype = choose_dtype(device_config, checkpoint.hf_config, checkpoint.config_path)
-    with torch.device("meta"):
-        model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
+    try:
+        with torch.device("meta"):
+            model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
+    except UnsupportedError as err:
+        if not parallel.sharded:
+            raise
+        raise UnsupportedError(f"{err} (with tp={parallel.size}, each rank builds its part of every layer: the "
+                               f"sizes are one rank's)") from None
     materialize(model, device_config.device)
     started = time.perf_counter()
     if load_config.load_format == "dummy":
@@ -125,9 +131,9 @@ def rank_cuts(model: nn.Module, param_name: str, shard_id, shape, tensor_name: s
     cuts = []
     if n_slices is not None and split.n_dim is not None:
         covered = n_slices if shard_id is None else (n_slices[module.shard_layout.shard_ids.index(shard_id)],)
-        cuts.append(axis_cut(tensor_name, module_name, shape, split.n_dim, covered, "output"))
+        cuts.append(axis_cut(tensor_name, module_name, shape, split.n_dim, covered, "output", split.n_align))
     if k_slice is not None and split.k_dim is not None:
-        cuts.append(axis_cut(tensor_name, module_name, shape, split.k_dim, (k_slice,), "input"))
+        cuts.append(axis_cut(tensor_name, module_name, shape, split.k_dim, (k_slice,), "input", split.k_align))
     return tuple(cuts)
 
 

@@ -46,6 +46,7 @@ from .ct_w8a8 import annotate_int8_layout, check_scale
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from .int_weights import copy_ints, remove_parameters
 from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
+from .tensor_parallel import WHOLE, TensorSplit
 from .quant import QuantScheme
 from .registry import stored_format
 
@@ -126,6 +127,13 @@ def _load_scales(param, loaded, shard_id, *, layout):
 
 class QqqLinearMethod(LinearMethod):
     name = "qqq"
+
+    def tensor_split(self, layer, param_name: str):
+        # B's rows are rows of 16x16 tiles along K and its permutation runs cover 64 output
+        # channels (two int32 columns each): a rank's part of B is a plain slice on those runs.
+        along_both = TensorSplit(1, 0, n_align=64)
+        group_scales = WHOLE if self.cfg.per_channel else along_both  # per-channel files store it empty
+        return {"B": along_both, "s_channel": TensorSplit(1, None, n_align=64), "s_group": group_scales}.get(param_name)
 
     def __init__(self, cfg: QqqConfig, module_names):
         super().__init__(cfg, module_names)  # layout: "packed" (CUDA) or "int8" (CPU), chosen by the loader pass

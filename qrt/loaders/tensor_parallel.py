@@ -17,6 +17,7 @@ graph, where Inductor schedules them like any other op (no graph break at a comm
 """
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -74,7 +75,12 @@ SINGLE = Parallelism()
 
 
 def _largest_dividing(full: int, size: int) -> str:
-    return f"the largest tp that works is {max(t for t in range(1, size + 1) if full % t == 0)}"
+    return f"the largest tp that works is {largest_tp(full, 1, size)}"
+
+
+def largest_tp(full: int, unit: int, up_to: int) -> int:
+    """The largest tp <= up_to that splits `full` features into parts of whole `unit`s."""
+    return max((t for t in range(1, up_to + 1) if full % (t * unit) == 0), default=1)
 
 
 @dataclass(frozen=True)
@@ -108,19 +114,27 @@ class TensorSplit:
     the tensor does not run along that axis (a per-tensor scale; a per-channel scale has no K),
     and every rank loads it whole along it.
 
-    The unit of a dim is derived from the sizes: a dim of 1536 / 128 entries over an axis of 1536
-    holds 128 input channels per entry (a group scale), one of 1536 / 8 holds 8 (int32 words of
-    4-bit values). A rank's part must fall on whole entries, which is how a format's group and
-    packing constraints are checked without code of its own."""
+    How many features an entry of a dim covers is derived from the sizes: a dim of 1536 / 128
+    entries over an axis of 1536 holds 128 input channels per entry (a group scale), one of
+    1536 / 8 holds 8 (int32 words of 4-bit values), one of 2 * 1536 two entries per feature. A
+    rank's part must fall on whole entries, which is how a format's group and packing constraints
+    are checked without code of its own. n_align / k_align: features a rank's part must be a
+    multiple of besides (a layout permuted within runs of 64 output channels)."""
 
     n_dim: int | None
     k_dim: int | None
+    n_align: int = 1
+    k_align: int = 1
 
 
 # The dense [N, K] weight: what bf16 checkpoints store and online formats quantize as it streams in.
 DENSE_WEIGHT = TensorSplit(n_dim=0, k_dim=1)
 OUTPUT_VECTOR = TensorSplit(n_dim=0, k_dim=None)  # a bias, per-channel scales [N]
 WHOLE = TensorSplit(n_dim=None, k_dim=None)  # a per-tensor scale
+# The dense weight a format quantizes online with scales per row: a row-parallel rank reads its
+# rows whole along K, quantizes them exactly as one rank would, then keeps its columns
+# (`rank_columns`), so its scales are tp=1's. Reading the rest of the row is the price.
+DENSE_WEIGHT_WHOLE_ROWS = TensorSplit(n_dim=0, k_dim=None)
 
 
 @dataclass(frozen=True)
@@ -133,28 +147,35 @@ class DimCut:
     segments: tuple
 
 
-def axis_cut(tensor_name: str, layer_name: str, shape, dim: int, slices, axis: str) -> DimCut:
+def axis_cut(tensor_name: str, layer_name: str, shape, dim: int, slices, axis: str, align: int = 1) -> DimCut:
     """The cut of `shape[dim]`, which runs along `axis` ("output" or "input") of a layer whose
     rank slices of that axis are `slices` (one per fused shard the tensor holds, in order).
 
     Raises UnsupportedError, naming the tensor, the layer and the largest tp that would work,
-    when a rank's part does not fall on whole entries of the dim."""
+    when a rank's part does not fall on whole entries of the dim (or on `align` features)."""
     full = sum(s.full for s in slices)
     size = shape[dim]
-    if size == 0 or full % size:
+    per_feature = Fraction(size, full)  # entries of the dim per feature of the axis
+    if size == 0 or (per_feature.numerator != 1 and per_feature.denominator != 1):
         raise UnsupportedError(f"{layer_name}: '{tensor_name}' has {size} entries along dim {dim}, which do not "
                                f"divide the layer's {full} {axis} features; the tensor cannot be sharded")
-    unit = full // size  # features per entry: a group, a packed word, a block
+
+    def fits(length: int, offset: int) -> bool:
+        return (length * per_feature).denominator == 1 and (offset * per_feature).denominator == 1 \
+            and length % align == 0
+
     segments, offset = [], 0
     for s in slices:
-        if s.start % unit or s.length % unit or offset % unit:
-            parts = s.parts
-            allowed = max(t for t in range(1, parts + 1) if s.full % (t * unit) == 0)
+        if not (fits(s.length, s.start + offset)):
+            allowed = max((t for t in range(1, s.parts + 1) if s.full % t == 0 and fits(s.full // t, offset)), default=1)
+            unit = (f"{per_feature.denominator} {axis} features per entry" if per_feature.numerator == 1
+                    else f"{per_feature.numerator} entries per {axis} feature")
+            aligned = f", in runs of {align} features" if align > 1 else ""
             raise UnsupportedError(
-                f"{layer_name}: the {axis} features split into {parts} parts of {s.length} do not fall on whole "
-                f"entries of '{tensor_name}', which holds {unit} {axis} features per entry along dim {dim} "
-                f"(a group or a packed word); the largest tp this layer allows is {allowed}")
-        segments.append(((offset + s.start) // unit, s.length // unit))
+                f"{layer_name}: split into {s.parts} parts of {s.length} {axis} features, '{tensor_name}' does not "
+                f"divide on whole entries (dim {dim} holds {unit}{aligned}: a group, a packed word or a block); "
+                f"the largest tp this layer allows is {allowed}")
+        segments.append((int((offset + s.start) * per_feature), int(s.length * per_feature)))
         offset += s.full
     return DimCut(dim, size, tuple(segments))
 
@@ -173,6 +194,16 @@ def cut_tensor(tensor: torch.Tensor, cuts) -> torch.Tensor:
             pieces.append(piece)
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cut.dim)
     return tensor.contiguous()
+
+
+def rank_columns(layer, quantized: torch.Tensor, channels_per_entry: int = 1) -> torch.Tensor:
+    """This rank's columns (input channels along the last dim) of a tensor quantized from whole
+    rows: all of them unless `layer` is row-parallel. channels_per_entry: the group size for
+    group scales (the rank's part must hold whole groups, which the format checks)."""
+    part = layer.k_slice
+    if part is None:
+        return quantized
+    return quantized.narrow(-1, part.start // channels_per_entry, part.length // channels_per_entry)
 
 
 # ---- collectives ---------------------------------------------------------------------------------

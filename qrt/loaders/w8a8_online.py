@@ -15,7 +15,7 @@ from qrt.kernels.int8_reference import MIN_SCALE
 
 from .ct_w8a8 import annotate_int8_layout
 from .errors import TensorMismatch
-from .tensor_parallel import DENSE_WEIGHT
+from .tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, rank_columns
 from .linear import LinearMethod, check_shape, make_parameter
 from .registry import online_format
 
@@ -34,16 +34,16 @@ def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer):
         raise TensorMismatch(f"dtype {loaded.dtype}, expected a bf16/fp16/fp32 weight to quantize")
     shards = layer.shard_layout
     rows = param.data if shards is None else shards.rows(param.data, shard_id)
-    check_shape(loaded, rows.shape)
-    codes, scales = quantize_weight_int8(loaded)
-    rows.copy_(codes)
+    check_shape(loaded, (rows.shape[0], layer.full_input_size))
+    codes, scales = quantize_weight_int8(loaded)  # [n, K] int8, [n] fp32
+    rows.copy_(rank_columns(layer, codes))
     scale_rows = layer.weight_scale.data if shards is None else shards.rows(layer.weight_scale.data, shard_id)
     scale_rows.copy_(scales)
 
 
 class W8A8OnlineLinearMethod(LinearMethod):
     name = "w8a8"
-    shard_rule = {"weight": DENSE_WEIGHT}
+    shard_rule = {"weight": DENSE_WEIGHT_WHOLE_ROWS}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size

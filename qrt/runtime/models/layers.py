@@ -246,8 +246,9 @@ class Attention(nn.Module):
             k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]
             attended = mask.shape[-1]  # S': the cache entries this call attends over
             if self.fp8_cache:
-                k_cache.index_copy_(2, input_pos, quantize_kv(k, self.k_scale))
-                v_cache.index_copy_(2, input_pos, quantize_kv(v, self.v_scale))
+                # As bytes: ATen's CPU index_copy_ has no fp8 kernel (eager generation would fail).
+                k_cache.view(torch.uint8).index_copy_(2, input_pos, quantize_kv(k, self.k_scale).view(torch.uint8))
+                v_cache.view(torch.uint8).index_copy_(2, input_pos, quantize_kv(v, self.v_scale).view(torch.uint8))
                 k = dequantize_kv(k_cache[:, :, :attended], self.k_scale, q.dtype)  # [B, KVH, S', hd]
                 v = dequantize_kv(v_cache[:, :, :attended], self.v_scale, q.dtype)
             else:

@@ -1,0 +1,58 @@
+"""One rank of a tensor-parallel test run, started by torchrun (tests/test_tensor_parallel.py).
+
+    torchrun --nproc-per-node 2 tests/tp_worker.py JOBS.json RESULTS.pt
+
+JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
+"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp"}. With $QRT_TP_TEST_BAD_RANK_PATH,
+rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
+"ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
+tokens, the compile report, every rank's peak RSS after loading and every rank's parameter shapes.
+"""
+
+import json
+import os
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+
+from qrt import runtime
+
+
+def run(job: dict) -> dict:
+    path = job["path"]
+    if os.environ.get("RANK") == "1" and os.environ.get("QRT_TP_TEST_BAD_RANK_PATH"):
+        path = os.environ["QRT_TP_TEST_BAD_RANK_PATH"]  # the fault test: this rank alone gets a bad checkpoint
+    model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ["WORLD_SIZE"])),
+                                  compile=job["compile"], cache=False, progress=False,
+                                  max_seq_len=job.get("max_seq_len", 128))
+    peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    with torch.no_grad():
+        logits = model(torch.tensor(job["ids"]))
+    tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
+    if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again = model.generate(job["prompt"][:-1], max_new_tokens=job["steps"], stop_at_eos=False)
+    else:
+        again = None
+    shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"rss_kib": peak_rss_kib, "shapes": shapes, "tokens": tokens,
+                                      "report": model.compile_report()})
+    return {"logits": logits, "tokens": tokens, "again": again, "ranks": gathered}
+
+
+def main() -> int:
+    jobs_path, results_path = sys.argv[1], sys.argv[2]
+    jobs = json.loads(open(jobs_path).read())
+    torch.set_num_threads(1)
+    results = {job["name"]: run(job) for job in jobs}
+    if dist.get_rank() == 0:
+        torch.save(results, results_path)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
