@@ -6,7 +6,8 @@ JOBS.json lists models to build with tp = the world size: {"name", "path", "quan
 "ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp"}. With $QRT_TP_TEST_BAD_RANK_PATH,
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
-tokens, the compile report, every rank's peak RSS after loading and every rank's parameter shapes.
+tokens, the compile report, every rank's RSS before loading and peak RSS after it, and every rank's
+parameter shapes.
 """
 
 import json
@@ -37,10 +38,23 @@ def run(job: dict) -> dict:
     else:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rss_kib": peak_rss_kib, "shapes": shapes, "tokens": tokens,
-                                      "report": model.compile_report()})
+    mine = {"rss_kib": peak_rss_kib, "rss_before_kib": RSS_BEFORE_KIB, "shapes": shapes, "tokens": tokens,
+            "report": model.compile_report()}
+    gathered = [mine]
+    if dist.is_initialized():  # tp=1 starts no process group
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
     return {"logits": logits, "tokens": tokens, "again": again, "ranks": gathered}
+
+
+def current_rss_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+RSS_BEFORE_KIB = current_rss_kib()  # after importing torch and qrt, before any model
 
 
 def main() -> int:
@@ -48,9 +62,10 @@ def main() -> int:
     jobs = json.loads(open(jobs_path).read())
     torch.set_num_threads(1)
     results = {job["name"]: run(job) for job in jobs}
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, results_path)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

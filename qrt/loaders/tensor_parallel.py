@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+import torch.distributed._functional_collectives as collectives
 
 from .errors import UnsupportedError
 
@@ -45,11 +46,10 @@ class Parallelism:
 
     def even(self, full: int, what: str) -> "RankSlice":
         """`full` entries split into `size` equal parts."""
-        part = RankSlice(full, self.size, self.rank)
         if full % self.size:
-            raise UnsupportedError(f"{what}: {full} cannot be split between {self.size} ranks; "
-                                   f"{_largest_dividing(full, self.size)}")
-        return part
+            raise UnsupportedError(f"{what}: {full} cannot be split between {self.size} ranks; the largest tp "
+                                   f"that works is {largest_tp(full, 1, self.size)}")
+        return RankSlice(full, self.size, self.rank)
 
     def heads(self, heads: int, head_dim: int, what: str, replicate: bool) -> "RankSlice":
         """`heads` attention heads of `head_dim`: split between ranks, or, with `replicate`, each
@@ -72,10 +72,6 @@ class Parallelism:
 
 
 SINGLE = Parallelism()
-
-
-def _largest_dividing(full: int, size: int) -> str:
-    return f"the largest tp that works is {largest_tp(full, 1, size)}"
 
 
 def largest_tp(full: int, unit: int, up_to: int) -> int:
@@ -209,13 +205,9 @@ def rank_columns(layer, quantized: torch.Tensor, channels_per_entry: int = 1) ->
 # ---- collectives ---------------------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, parallel: Parallelism) -> torch.Tensor:
     """Sum of `x` over the ranks (the partial results of a row-parallel layer)."""
-    import torch.distributed._functional_collectives as collectives
-
     return collectives.all_reduce(x, "sum", parallel.group)
 
 
 def all_gather_last(x: torch.Tensor, parallel: Parallelism) -> torch.Tensor:
     """Every rank's `x` concatenated along the last dim (vocab-parallel logits)."""
-    import torch.distributed._functional_collectives as collectives
-
     return collectives.all_gather_tensor(x.contiguous(), x.dim() - 1, parallel.group)

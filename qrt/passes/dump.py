@@ -1,7 +1,12 @@
 """Write what compilation did as a navigable folder: index.md, each graph before and after each
 pass, the kernel chosen for every linear layer and why, graph-break and recompile reports."""
 
+import re
+from collections import Counter
 from pathlib import Path
+
+# The ops torch's functional collectives trace to (a tensor-parallel model's all-reduces and gathers).
+_COLLECTIVE = re.compile(r"_c10d_functional\.(\w+)")
 
 
 def write_dump(out: Path, logs, explain: dict, recompile_check: str, header: list[str]) -> Path:
@@ -20,7 +25,8 @@ def write_dump(out: Path, logs, explain: dict, recompile_check: str, header: lis
                     f"| {log.label} | {number} | {record.name} (uuid {record.uuid}) | {record.changed} "
                     f"| [{stem}.before.py]({stem}.before.py) | [{stem}.after.py]({stem}.after.py) |"
                 )
-    index += ["", "## Kernel per linear layer", "", "[kernels.md](kernels.md)", ""]
+    index += ["", "## Collectives", "", *_collectives(logs), ""]
+    index += ["## Kernel per linear layer", "", "[kernels.md](kernels.md)", ""]
     (out / "kernels.md").write_text(_kernel_table(logs))
     index += ["## Graph breaks", ""]
     breaks = []
@@ -32,6 +38,20 @@ def write_dump(out: Path, logs, explain: dict, recompile_check: str, header: lis
     index += ["", "Details: [graph_breaks.txt](graph_breaks.txt)", "", "## Recompiles", "", recompile_check, ""]
     (out / "index.md").write_text("\n".join(index))
     return out / "index.md"
+
+
+def _collectives(logs) -> list[str]:
+    """Per graph, the collective ops its final code calls (none in a model on one rank). A layer
+    body compiled once (a nested region) counts once however many layers call it."""
+    lines = []
+    for log in logs:
+        for number, report in enumerate(log.graphs):
+            if not report.passes:
+                continue
+            found = Counter(_COLLECTIVE.findall(report.passes[-1].code_after))
+            ops = ", ".join(f"{op} x{count}" for op, count in sorted(found.items())) or "none"
+            lines.append(f"- {log.label} graph {number}: {ops}")
+    return lines or ["- no graphs"]
 
 
 def _kernel_table(logs) -> str:

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from qrt.loaders.registry import (compressed_tensors_formats, formats_markdown, 
                                   stored_formats)
 
 from .compiled import BUILDS
+from .distributed import leave_process_group
 from .evaluate import DEFAULT_WINDOW
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -23,14 +25,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Under torchrun every rank runs this; each names itself in its errors.
+    who = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         return args.handler(args)
     except QrtError as err:
-        print(f"qrt: error: {err}", file=sys.stderr)
+        print(f"qrt: error{who}: {err}", file=sys.stderr)
         return 2
     except ValueError as err:
-        print(f"qrt: invalid input: {err}", file=sys.stderr)
+        print(f"qrt: invalid input{who}: {err}", file=sys.stderr)
         return 2
+    finally:
+        leave_process_group()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--no-autotune", action="store_true",
                          help="frozen build: skip timing GEMM implementations for decode (CPU)")
         sub.add_argument("--no-cache", action="store_true", help="neither load nor store qrt's compiled graphs")
+        sub.add_argument("--tp", type=int, default=1,
+                         help="tensor parallelism over this many ranks, one process each: run under "
+                              "`torchrun --nproc-per-node N -m qrt …` (default: 1)")
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
@@ -104,12 +113,16 @@ def _compile(args, path=None, **kwargs):
 
     return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype,
                                  build=args.build, autotune=False if args.no_autotune else None,
-                                 cache=not args.no_cache, **kwargs)
+                                 cache=not args.no_cache, tp=args.tp, **kwargs)
 
 
 def _generate(args) -> int:
     model = _compile(args, compile=not args.eager)
     chat = not args.no_chat and model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
+    if model.parallel.rank != 0:  # every rank decodes the same tokens; rank 0 shows them
+        model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, chat=chat)
+        return 0
     print(f"> {args.prompt}", file=sys.stderr)
     started = time.perf_counter()
     tokens = []
@@ -135,6 +148,8 @@ def _eval(args) -> int:
     # The full forward uses no KV cache; sizing it to the window instead of 2048 saves its memory.
     model = _compile(args, compile=not args.eager, warmup=False, max_seq_len=args.window)
     result = perplexity_of_text(model, text, window=args.window, stride=stride)
+    if model.parallel.rank != 0:  # every rank computed the same logits; rank 0 reports
+        return 0
     if args.json:
         report = {"model": str(model.source), "quant": args.quant, "quantization": model.scheme.describe(),
                   "text": str(text_path), "compiled": not args.eager, **result.as_dict()}
@@ -162,24 +177,44 @@ def _inspect(args) -> int:
     from .registry import ModelRegistry
 
     path = _resolve_path(args.path)
+    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 describes the checkpoint
     checkpoint = open_checkpoint(path, LoadConfig())
     hf_config = checkpoint.hf_config
-    print(f"checkpoint:    {path}")
-    print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
-    if isinstance(checkpoint, SafetensorsCheckpoint):
-        _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
+    if first_rank:
+        print(f"checkpoint:    {path}")
+        print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
+        if isinstance(checkpoint, SafetensorsCheckpoint):
+            _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
     ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
     scheme = resolve_scheme(hf_config, args.quant, checkpoint.config_path, checkpoint.folder)
-    print(f"quantization:  {scheme.describe()}")
+    if first_rank:
+        print(f"quantization:  {scheme.describe()}")
     model = _compile(args, compile=False, progress=False, path=path).model
-    print(f"\nlinear layers on {args.device} after the loader pass:")
-    print(f"  {'layer':<40} {'format':<6} {'storage layout':<44} kernel")
+    in_rank_order(model.config.parallel, lambda: _print_layers(model, args.device, model.config.parallel))
+    return 0
+
+
+def _print_layers(model, device: str, parallel) -> None:
+    sharded = f", rank {parallel.rank} of {parallel.size}" if parallel.sharded else ""
+    print(f"\nlinear layers on {device} after the loader pass{sharded}:")
+    print(f"  {'layer':<40} {'format':<6} {'weight':<14} {'split':<8} {'storage layout':<44} kernel")
     for name, module in model.named_modules():
         if hasattr(module, "quant_method"):
             weight = module.weight
-            print(f"  {name:<40} {module.quant_method.name:<6} {getattr(weight, 'storage_layout', '?'):<44} "
-                  f"{getattr(weight, 'kernel', '?')}")
-    return 0
+            split = "column" if module.n_slices is not None else "row" if module.k_slice is not None else "-"
+            shape = "x".join(str(d) for d in weight.shape)
+            print(f"  {name:<40} {module.quant_method.name:<6} {shape:<14} {split:<8} "
+                  f"{getattr(weight, 'storage_layout', '?'):<44} {getattr(weight, 'kernel', '?')}")
+    sys.stdout.flush()
+
+
+def in_rank_order(parallel, show) -> None:
+    """Call `show` on every rank, one rank after the other (their output would interleave)."""
+    for rank in range(parallel.size):
+        if rank == parallel.rank:
+            show()
+        if parallel.sharded:
+            torch.distributed.barrier(group=parallel.group)
 
 
 def _print_tensors(files, limit: int) -> None:
@@ -219,7 +254,12 @@ def _dump(args) -> int:
         recompile_check = _check_no_recompiles(model, args.decode_steps)
     header = [f"- checkpoint: `{model.source}`", f"- quantization: {model.scheme.describe()}",
               f"- device: {args.device}", f"- graphs compiled: {model.compile_report()}"]
-    index = write_dump(Path(args.out), [b.log for b in model.backends.values()], explain, recompile_check, header)
+    out = Path(args.out)
+    parallel = model.parallel
+    if parallel.sharded:  # each rank compiles its own graphs: one folder per rank
+        header.append(f"- tensor parallel: rank {parallel.rank} of {parallel.size}")
+        out = out / f"rank{parallel.rank}"
+    index = write_dump(out, [b.log for b in model.backends.values()], explain, recompile_check, header)
     print(f"qrt: wrote {index}")
     return 0
 

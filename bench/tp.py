@@ -1,0 +1,132 @@
+"""Tensor parallelism: decode tokens/s and per-rank peak RSS of the 0.85B random Llama
+(bench/random_llama.py) at tp=1 and tp=2, in one run.
+
+    python bench/tp.py                       # CPU: tp=1 on 2 threads, tp=2 on 1 thread per rank
+    python bench/tp.py --device cuda --tp 1,2,4   # one GPU per rank (NCCL), on a multi-GPU machine
+
+Each configuration runs under torchrun (also tp=1, so that all pay the same launcher), compiles
+the regional build (qrt's compile cache on), then decodes `--steps` tokens greedily `--runs`
+times after a fixed prompt. Decode tokens/s is the median over the runs of (tokens - 1) / (time
+from the first token to the last), so prefill is not in it. Peak RSS is each rank's
+`ru_maxrss` at the end. On a 2-core CPU two ranks share the cores that one rank had: the point
+of tp=2 there is memory per rank and correctness, not speed.
+
+Writes bench/results/tp.json and prints a table.
+"""
+
+import argparse
+import json
+import os
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+RESULTS = Path(__file__).resolve().parent / "results" / "tp.json"
+PROMPT = list(range(100, 164))  # 64 token ids
+
+
+def worker(args) -> None:
+    """One rank: build, decode, report (rank 0 writes the JSON line to args.out)."""
+    import torch
+    import torch.distributed as dist
+
+    from qrt import runtime
+
+    torch.set_num_threads(args.threads)
+    model = runtime.compile_model(args.path, tp=args.tp, device=args.device, max_seq_len=512, progress=False)
+    rates = []
+    for _ in range(args.runs):
+        stamps = []
+        model.generate(PROMPT, max_new_tokens=args.steps, stop_at_eos=False,
+                       stream=lambda _token: stamps.append(time.perf_counter()))
+        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    mine = {"rank": model.parallel.rank, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "decode_tok_s": statistics.median(rates), "runs_tok_s": rates}
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    if model.parallel.rank == 0:
+        Path(args.out).write_text(json.dumps({"tp": args.tp, "threads_per_rank": args.threads, "ranks": ranks}))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_config(path: Path, tp: int, threads: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, "--worker",
+                   "--path", str(path), "--tp", str(tp), "--threads", str(threads), "--device", args.device,
+                   "--steps", str(args.steps), "--runs", str(args.runs), "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        # A session of its own: past the timeout the ranks are stopped with torchrun.
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True) as process:
+            try:
+                _, stderr = process.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                raise SystemExit(f"tp={tp}: no result within {args.timeout} s; stopped") from None
+        if process.returncode != 0:
+            raise SystemExit(f"tp={tp} failed (exit {process.returncode}):\n{stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", default="1,2", help="comma-separated tp values (default: 1,2)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(),
+                        help="CPU threads in all, divided between the ranks (default: every core)")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    parser.add_argument("--path", default=None, help="checkpoint (default: the 0.85B random Llama)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.tp = int(args.tp)
+        worker(args)
+        return 0
+    if args.path is None:
+        from bench.random_llama import random_llama_path
+
+        args.path = random_llama_path()
+    rows = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        threads = max(1, args.cores // tp) if args.device == "cpu" else 1
+        result = run_config(Path(args.path), tp, threads, args)
+        rows.append(result)
+        for rank in result["ranks"]:
+            print(f"tp={tp} rank {rank['rank']}: {threads} thread(s), decode {rank['decode_tok_s']:.1f} tok/s "
+                  f"(runs {', '.join(f'{r:.1f}' for r in rank['runs_tok_s'])}), peak RSS {rank['peak_rss_mib']:.0f} MiB",
+                  flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"checkpoint": str(args.path), "device": args.device, "steps": args.steps,
+                                   "runs": args.runs, "results": rows}, indent=2))
+    print(f"\n| tp | threads per rank | decode tok/s (median of {args.runs}) | peak RSS per rank (MiB) |")
+    print("|---|---|---|---|")
+    for result in rows:
+        rss = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in result["ranks"])
+        print(f"| {result['tp']} | {result['threads_per_rank']} | {result['ranks'][0]['decode_tok_s']:.1f} | {rss} |")
+    print(f"\nwrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
