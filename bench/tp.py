@@ -11,7 +11,8 @@ from the first token to the last), so prefill is not in it. Peak RSS is each ran
 `ru_maxrss` at the end. On a 2-core CPU two ranks share the cores that one rank had: the point
 of tp=2 there is memory per rank and correctness, not speed.
 
-Writes bench/results/tp.json and prints a table.
+Also times one all-reduce of a decode step's activations on each rank, the collective a step
+makes twice per layer. Writes bench/results/tp.json (or --json) and prints a table.
 """
 
 import argparse
@@ -42,6 +43,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     model = runtime.compile_model(args.path, tp=args.tp, device=args.device, max_seq_len=512, progress=False)
+    all_reduce_us = time_all_reduce(model) if dist.is_initialized() else None
     rates = []
     for _ in range(args.runs):
         stamps = []
@@ -49,13 +51,30 @@ def worker(args) -> None:
                        stream=lambda _token: stamps.append(time.perf_counter()))
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     mine = {"rank": model.parallel.rank, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "decode_tok_s": statistics.median(rates), "runs_tok_s": rates}
+            "decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "all_reduce_us": all_reduce_us,
+            "collectives_per_step": 2 * model.model.config.num_layers + 2}
     ranks = [mine]
     if dist.is_initialized():
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
     if model.parallel.rank == 0:
         Path(args.out).write_text(json.dumps({"tp": args.tp, "threads_per_rank": args.threads, "ranks": ranks}))
+
+
+def time_all_reduce(model, calls: int = 200) -> float:
+    """Median µs of one all-reduce of a decode step's activations ([1, 1, hidden] in the model
+    dtype), the collective a decode step makes twice per layer (once more for the embedding;
+    the logits' all-gather is the step's last)."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(1, 1, model.model.config.hidden_size, dtype=model.model.dtype, device=model.device)
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        dist.all_reduce(x, group=model.parallel.group)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
 
 
 def free_port() -> int:
@@ -95,6 +114,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     parser.add_argument("--path", default=None, help="checkpoint (default: the 0.85B random Llama)")
+    parser.add_argument("--json", default=str(RESULTS), help=f"where to write the results (default: {RESULTS})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -116,15 +136,21 @@ def main() -> int:
             print(f"tp={tp} rank {rank['rank']}: {threads} thread(s), decode {rank['decode_tok_s']:.1f} tok/s "
                   f"(runs {', '.join(f'{r:.1f}' for r in rank['runs_tok_s'])}), peak RSS {rank['peak_rss_mib']:.0f} MiB",
                   flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"checkpoint": str(args.path), "device": args.device, "steps": args.steps,
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"checkpoint": str(args.path), "device": args.device, "steps": args.steps,
                                    "runs": args.runs, "results": rows}, indent=2))
-    print(f"\n| tp | threads per rank | decode tok/s (median of {args.runs}) | peak RSS per rank (MiB) |")
-    print("|---|---|---|---|")
+    print(f"\n| tp | threads per rank | decode tok/s (median of {args.runs}) | peak RSS per rank (MiB) "
+          f"| one all-reduce (µs) | all-reduces per step |")
+    print("|---|---|---|---|---|---|")
     for result in rows:
         rss = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in result["ranks"])
-        print(f"| {result['tp']} | {result['threads_per_rank']} | {result['ranks'][0]['decode_tok_s']:.1f} | {rss} |")
-    print(f"\nwrote {RESULTS}")
+        first = result["ranks"][0]
+        reduce = "—" if first["all_reduce_us"] is None else f"{first['all_reduce_us']:.0f}"
+        steps = "—" if first["all_reduce_us"] is None else str(first["collectives_per_step"] - 1)
+        print(f"| {result['tp']} | {result['threads_per_rank']} | {first['decode_tok_s']:.1f} | {rss} | {reduce} "
+              f"| {steps} |")
+    print(f"\nwrote {out}")
     return 0
 
 
