@@ -22,7 +22,7 @@ from torch import nn
 
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
 
-from .errors import TensorMismatch
+from .errors import TensorMismatch, UnsupportedError
 from .tensor_parallel import OUTPUT_VECTOR, SINGLE, Parallelism, RankSlice, TensorSplit, all_gather_last, all_reduce
 
 # Attribute names a parameter may carry. Keeping them in one place catches typos at creation.
@@ -213,7 +213,13 @@ class Linear(nn.Module):
                 torch.empty(self.output_size, dtype=dtype),  # [N]
                 weight_loader=load_bias, output_dim=0, quant_format=method.name,
             )
-        method.create_weights(self, dtype)
+        try:
+            method.create_weights(self, dtype)
+        except UnsupportedError as err:
+            if not parallel.sharded:
+                raise
+            raise UnsupportedError(f"{err} (with tp={parallel.size}: the sizes are one rank's part of the "
+                                   f"layer)") from None
 
     def tensor_split(self, param_name: str) -> TensorSplit | None:
         """How the checkpoint tensor of `param_name` divides between ranks (read by the loader)."""

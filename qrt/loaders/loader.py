@@ -35,14 +35,8 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
     dtype = choose_dtype(device_config, checkpoint.hf_config, checkpoint.config_path)
-    try:
-        with torch.device("meta"):
-            model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
-    except UnsupportedError as err:
-        if not parallel.sharded:
-            raise
-        raise UnsupportedError(f"{err} (with tp={parallel.size}, each rank builds its part of every layer: the "
-                               f"sizes are one rank's)") from None
+    with torch.device("meta"):
+        model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
     materialize(model, device_config.device)
     started = time.perf_counter()
     if load_config.load_format == "dummy":

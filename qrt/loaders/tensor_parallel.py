@@ -61,7 +61,9 @@ class Parallelism:
         rule = (f"{heads} heads split between {self.size} ranks, or replicated when the ranks are a multiple "
                 f"of the heads" if replicate else f"{heads} heads split evenly between {self.size} ranks")
         allowed = [t for t in range(self.size, 0, -1) if heads % t == 0 or (replicate and t % heads == 0)]
-        raise UnsupportedError(f"{what}: cannot shard {rule}; the largest tp that works is {allowed[0]}")
+        divisors = ", ".join(str(t) for t in range(1, heads + 1) if heads % t == 0)
+        raise UnsupportedError(f"{what}: cannot shard {rule}; the largest tp that works is {allowed[0]} "
+                               f"(tp values that split {heads} heads: {divisors})")
 
     def vocab(self, full: int) -> "RankSlice":
         """A vocabulary split between ranks, padded to whole parts of VOCAB_PAD rows."""

@@ -29,11 +29,11 @@ def main(argv=None) -> int:
     who = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         return args.handler(args)
-    except QrtError as err:
-        print(f"qrt: error{who}: {err}", file=sys.stderr)
+    except QrtError as err:  # one write per line: several ranks share the terminal
+        sys.stderr.write(f"qrt: error{who}: {err}\n")
         return 2
     except ValueError as err:
-        print(f"qrt: invalid input{who}: {err}", file=sys.stderr)
+        sys.stderr.write(f"qrt: invalid input{who}: {err}\n")
         return 2
     finally:
         leave_process_group()
