@@ -62,10 +62,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(jobs: list[dict], folder: Path, nproc: int = 2, env=None) -> subprocess.CompletedProcess:
+def torchrun(jobs: list[dict], folder: Path, env=None) -> subprocess.CompletedProcess:
     jobs_path, results = folder / "jobs.json", folder / "results.pt"
     jobs_path.write_text(json.dumps(jobs))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(jobs_path), str(results)]
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # A session of its own, so that a run past the timeout is stopped with its ranks, not only torchrun.
@@ -120,12 +120,11 @@ def format_folders(tmp_path_factory):
 PER_TOKEN_ACTIVATIONS = {"stored:fp8": 0.08, "online:fp8": 0.08, "online:w8a8": 0.04}
 
 
-def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_folders, tmp_path):
-    results = run_sharded([job(name, folder, CASES[name].quant) for name, folder in format_folders.items()], tmp_path)
+def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_folders, sharded):
     failures = []
     for name, folder in format_folders.items():
         logits, tokens = single_rank(folder, CASES[name].quant)
-        got = results[name]
+        got = sharded[name]
         error = relative_l2(got["logits"], logits)
         if name in PER_TOKEN_ACTIVATIONS:
             if error > PER_TOKEN_ACTIVATIONS[name]:
@@ -150,32 +149,41 @@ def arch_folders(tmp_path_factory):
     return folders
 
 
-def test_architectures_shard_kv_heads_split_replicated_and_fused_on_disk(arch_folders, tmp_path):
-    results = run_sharded([job(name, folder) for name, folder in arch_folders.items()], tmp_path)
+# int4 compiled: quantized layers on ATen's int4 kernel, an int8 lm_head, a bf16 embedding. Its
+# logits come from prefill (the forward graph would be a third compile on each rank).
+COMPILED = "compiled online:int4"
+
+
+@pytest.fixture(scope="module")
+def sharded(format_folders, arch_folders, llama_172mb, tmp_path_factory):
+    """One torchrun run at tp=2 of every format case and architecture, and one compiled model.
+    The memory test's model loads first, while the peak RSS is still its own."""
+    jobs = [memory_job(llama_172mb)]
+    jobs += [job(name, folder, CASES[name].quant) for name, folder in format_folders.items()]
+    jobs += [job(name, folder) for name, folder in arch_folders.items()]
+    jobs.append(dict(job(COMPILED, format_folders["online:int4"], "int4", compile=True), forward=False))
+    return run_sharded(jobs, tmp_path_factory.mktemp("tp-run"))
+
+
+def test_architectures_shard_kv_heads_split_replicated_and_fused_on_disk(arch_folders, sharded):
     for name, folder in arch_folders.items():
         logits, tokens = single_rank(folder)
-        got = results[name]
+        got = sharded[name]
         assert relative_l2(got["logits"], logits) < 1e-2, name
         assert got["tokens"] == tokens, name
     # Qwen2 with one KV head: both ranks hold it whole (q/k/v rows: 2 q heads + k + v of 16).
-    shapes = [rank["shapes"] for rank in results["qwen2 kv=1"]["ranks"]]
+    shapes = [rank["shapes"] for rank in sharded["qwen2 kv=1"]["ranks"]]
     assert [s["model.layers.0.self_attn.qkv_proj.weight"] for s in shapes] == [[64, 64], [64, 64]]
     assert [s["model.layers.0.self_attn.o_proj.weight"] for s in shapes] == [[64, 32], [64, 32]]
     assert [s["model.embed_tokens.weight"] for s in shapes] == [[192, 64], [192, 64]]  # 300 padded to 2 x 192
 
 
-def test_compiled_sharded_model_keeps_one_graph_per_role_on_every_rank(format_folders, tmp_path):
-    # int4: quantized layers on ATen's int4 kernel, an int8 lm_head, a bf16 embedding.
-    names = ["online:int4"]
-    results = run_sharded([job(name, format_folders[name], CASES[name].quant, compile=True) for name in names],
-                          tmp_path)
-    for name in names:
-        logits, tokens = single_rank(format_folders[name], CASES[name].quant)
-        got = results[name]
-        assert relative_l2(got["logits"], logits) < TOLERANCE.get(name, 1e-2), name
-        assert got["tokens"] == tokens, name
-        for rank in got["ranks"]:
-            assert rank["report"] == {"prefill": 1, "decode": 1, "forward": 1}, (name, rank["report"])
+def test_compiled_sharded_model_keeps_one_graph_per_role_on_every_rank(format_folders, sharded):
+    _, tokens = single_rank(format_folders["online:int4"], "int4")
+    got = sharded[COMPILED]
+    assert got["tokens"] == tokens
+    for rank in got["ranks"]:
+        assert rank["report"] == {"prefill": 1, "decode": 1, "forward": 0}, rank["report"]
 
 
 # ---- refusals: from the headers and the config alone, before any weight is read ---------------
@@ -228,11 +236,14 @@ def test_a_failing_rank_makes_every_rank_exit_with_its_error(format_folders, tmp
     assert "model.layers.1.mlp.up_proj.weight" in done.stderr, done.stderr[-3000:]
 
 
-def test_a_world_size_other_than_tp_is_refused(format_folders, tmp_path):
-    jobs = [dict(job("tp3", format_folders["none"]), tp=3)]
-    done = torchrun(jobs, tmp_path)
-    assert done.returncode != 0
-    assert "tp=3, but the process group has 2 ranks" in done.stderr, done.stderr[-3000:]
+def test_a_world_size_other_than_tp_is_refused(llama_dir):
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"tp=3, but the process group has 1 ranks"):
+            runtime.compile_model(llama_dir, tp=3, compile=False, progress=False)
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 # ---- memory -------------------------------------------------------------------------------------
@@ -244,23 +255,32 @@ def _write_random_llama(folder: Path, shape: dict) -> None:
     module.write_random_llama(folder, shape)
 
 
-def test_each_rank_holds_its_share_of_the_weights(tmp_path):
-    """A 172 MB bf16 Llama: what loading adds to a rank's RSS (peak after loading minus RSS before)
-    is about half at tp=2 of what it is at tp=1. Norms (replicated) are a few KB; each rank reads
-    its part of each tensor, so no rank ever holds a whole one."""
-    folder = tmp_path / "llama-172mb"
+@pytest.fixture(scope="module")
+def llama_172mb(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-172mb")
     _write_random_llama(folder, dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048,
                                      num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
                                      max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False))
-    weights_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
-    jobs = [dict(job("mem", folder), ids=[[1, 2, 3]], prompt=[1, 2, 3], steps=1)]
-    added = {}
-    for tp in (1, 2):
-        done = torchrun(jobs, tmp_path, nproc=tp)
-        assert done.returncode == 0, done.stderr[-3000:]
-        ranks = torch.load(tmp_path / "results.pt")["mem"]["ranks"]
-        added[tp] = [(r["rss_kib"] - r["rss_before_kib"]) / 1024 for r in ranks]
-    (one,) = added[1]
-    assert one > 0.9 * weights_mib, (one, weights_mib)  # the whole model, as a check of the measure
-    for rank_mib in added[2]:
-        assert rank_mib < 0.6 * one, (added, weights_mib)
+    return folder
+
+
+def memory_job(folder) -> dict:
+    return dict(job("memory", folder), ids=[[1, 2, 3]], prompt=[1, 2, 3], steps=1)
+
+
+def test_each_rank_holds_its_share_of_the_weights(llama_172mb, sharded, tmp_path):
+    """A 172 MB bf16 Llama: what loading adds to a process's RSS (peak after loading minus RSS
+    before) is at least 40% of the weights smaller on each rank at tp=2 than in one process at
+    tp=1 (half the weights, less what every process holds whole: norms, replicated KV heads,
+    transients). Each rank reads its part of each tensor, so no rank ever holds a whole one."""
+    weights_mib = sum(f.stat().st_size for f in llama_172mb.glob("*.safetensors")) / 2**20
+    (jobs_path := tmp_path / "one.json").write_text(json.dumps([memory_job(llama_172mb)]))
+    alone = subprocess.run([sys.executable, str(WORKER), str(jobs_path), str(tmp_path / "one.pt")], timeout=TIMEOUT_S,
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    (one,) = torch.load(tmp_path / "one.pt")["memory"]["ranks"]
+    one_mib = (one["rss_kib"] - one["rss_before_kib"]) / 1024
+    assert one_mib > 0.9 * weights_mib, (one_mib, weights_mib)  # the whole model: a check of the measure
+    for rank in sharded["memory"]["ranks"]:
+        rank_mib = (rank["rss_kib"] - rank["rss_before_kib"]) / 1024
+        assert one_mib - rank_mib > 0.4 * weights_mib, (one_mib, rank_mib, weights_mib)

@@ -1,9 +1,11 @@
 """One rank of a tensor-parallel test run, started by torchrun (tests/test_tensor_parallel.py).
 
     torchrun --nproc-per-node 2 tests/tp_worker.py JOBS.json RESULTS.pt
+    python tests/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
 
 JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
-"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp"}. With $QRT_TP_TEST_BAD_RANK_PATH,
+"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp" and "forward" (false: skip the
+full forward)}. With $QRT_TP_TEST_BAD_RANK_PATH,
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
 tokens, the compile report, every rank's RSS before loading and peak RSS after it, and every rank's
@@ -25,12 +27,14 @@ def run(job: dict) -> dict:
     path = job["path"]
     if os.environ.get("RANK") == "1" and os.environ.get("QRT_TP_TEST_BAD_RANK_PATH"):
         path = os.environ["QRT_TP_TEST_BAD_RANK_PATH"]  # the fault test: this rank alone gets a bad checkpoint
-    model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ["WORLD_SIZE"])),
+    model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
                                   compile=job["compile"], cache=False, progress=False,
                                   max_seq_len=job.get("max_seq_len", 128))
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
-    with torch.no_grad():
-        logits = model(torch.tensor(job["ids"]))
+    logits = None
+    if job.get("forward", True):  # the full forward (a third graph when compiled)
+        with torch.no_grad():
+            logits = model(torch.tensor(job["ids"]))
     tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
     if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
         with torch.compiler.set_stance("fail_on_recompile"):
