@@ -9,6 +9,8 @@ streams into. Models and formats import this module and nothing else of the load
   theirs back to plain Parameters before compiling), so loader metadata lives as ordinary
   attributes, read at load time and by the passes, never in `forward`.
 - `ShardLayout`: where each shard of a fused layer (q/k/v, gate/up) lands.
+- Tensor parallelism (tensor_parallel.py): a `Linear` built with its rank's part of an axis, and
+  each format's `shard_rule`, how its checkpoint tensors divide between ranks.
 - `CheckpointNames`: how a model maps checkpoint tensor names to its parameters.
 - FP8 KV-cache scales, the one quantized tensor that belongs to attention rather than a linear.
 """

@@ -64,7 +64,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool) -> None:
     """Feed each checkpoint tensor ((file, name, StoredTensor)) to its parameter's weight_loader,
-    then check nothing is missing.
+    then check nothing is missing. Empties `tensors`.
 
     Every tensor is first matched to its parameter and, in a sharded model, to this rank's part of
     it, from the headers alone: a checkpoint that does not fit the model, or a format that cannot
@@ -90,8 +90,12 @@ def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool)
         plan.append((path, name, stored, shard_id, targets))
     bar = tqdm(total=len(plan), desc="qrt: loading", unit="tensor", disable=not progress, file=sys.stderr,
                leave=False)
+    # Consumed as it streams: a tensor already in memory (GGUF) is freed once its parameter has it.
+    tensors.clear()
+    plan.reverse()
     with bar:
-        for path, name, stored, shard_id, targets in plan:
+        while plan:
+            path, name, stored, shard_id, targets = plan.pop()
             bar.update(1)
             read: dict = {}  # cuts -> tensor: a copy with the same cuts reads once
             for target, cuts in targets:
