@@ -9,6 +9,7 @@ read; a failing rank makes every rank exit; each rank holds about half the weigh
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,11 +63,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(jobs: list[dict], folder: Path, env=None) -> subprocess.CompletedProcess:
-    jobs_path, results = folder / "jobs.json", folder / "results.pt"
-    jobs_path.write_text(json.dumps(jobs))
+def torchrun_two(program: list[str], env=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 PROGRAM…` on 127.0.0.1, one thread per rank."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(jobs_path), str(results)]
+               "127.0.0.1", "--master-port", str(free_port()), *program]
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # A session of its own, so that a run past the timeout is stopped with its ranks, not only torchrun.
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env,
@@ -78,6 +78,13 @@ def torchrun(jobs: list[dict], folder: Path, env=None) -> subprocess.CompletedPr
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def torchrun(jobs: list[dict], folder: Path, env=None) -> subprocess.CompletedProcess:
+    """The worker over `jobs` on two ranks; its results land in folder/results.pt."""
+    jobs_path = folder / "jobs.json"
+    jobs_path.write_text(json.dumps(jobs))
+    return torchrun_two([str(WORKER), str(jobs_path), str(folder / "results.pt")], env)
 
 
 def run_sharded(jobs, folder) -> dict:
@@ -221,6 +228,33 @@ def test_groups_that_a_split_would_cut_are_refused_before_reading(tmp_path, monk
 def test_tp_without_torchrun_names_the_command(llama_dir):
     with pytest.raises(ConfigError, match=r"torchrun --nproc-per-node 2 -m qrt generate PATH --tp 2"):
         runtime.compile_model(llama_dir, tp=2, compile=False, progress=False)
+
+
+# ---- the command line -----------------------------------------------------------------------------
+def test_inspect_shows_each_ranks_shard_shapes(format_folders):
+    done = torchrun_two(["-m", "qrt", "inspect", str(format_folders["none"]), "--tp", "2", "--tensors", "0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("checkpoint:") == 1  # rank 0 describes the checkpoint once
+    rank0, rank1 = out.index("rank 0 of 2"), out.index("rank 1 of 2")
+    assert rank0 < rank1  # the ranks' tables in rank order, not interleaved
+    # heads of 64: q/k/v rows 2 q heads + k + v of one head each; o_proj 128 of 256 input channels
+    for table in (out[rank0:rank1], out[rank1:]):
+        assert re.search(r"model\.layers\.0\.self_attn\.qkv_proj\s+bf16\s+256x256\s+column", table), table
+        assert re.search(r"model\.layers\.0\.self_attn\.o_proj\s+bf16\s+256x128\s+row", table), table
+
+
+@pytest.mark.slow  # compiles three graphs on each rank
+def test_dump_lists_the_collectives_of_each_rank(format_folders, tmp_path):
+    done = torchrun_two(["-m", "qrt", "dump", str(format_folders["none"]), "--tp", "2", "--no-cache",
+                         "--out", str(tmp_path / "dump"), "--decode-steps", "2"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        index = (tmp_path / "dump" / f"rank{rank}" / "index.md").read_text()
+        assert f"tensor parallel: rank {rank} of 2" in index
+        # each role: two all-reduces in the layer body, one for the embedding, one gather of the logits
+        for role in ("prefill", "decode", "forward"):
+            assert f"- {role} graph 0: all_gather_into_tensor x1, all_reduce x3, wait_tensor x4" in index, index
 
 
 # ---- faults -------------------------------------------------------------------------------------
