@@ -4,8 +4,9 @@
     python tests/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
 
 JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
-"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp" and "forward" (false: skip the
-full forward)}. With $QRT_TP_TEST_BAD_RANK_PATH,
+"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "forward" (false: skip the
+full forward) and "again_prompt" (what a compiled model decodes again; default: the prompt less
+its last token)}. With $QRT_TP_TEST_BAD_RANK_PATH,
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
 tokens, the compile report, every rank's RSS before loading and peak RSS after it, and every rank's
@@ -28,8 +29,9 @@ def run(job: dict) -> dict:
     if os.environ.get("RANK") == "1" and os.environ.get("QRT_TP_TEST_BAD_RANK_PATH"):
         path = os.environ["QRT_TP_TEST_BAD_RANK_PATH"]  # the fault test: this rank alone gets a bad checkpoint
     model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
-                                  compile=job["compile"], cache=False, progress=False,
+                                  compile=job["compile"], cache=False, progress=False, warmup=False,
                                   max_seq_len=job.get("max_seq_len", 128))
+    # No warm-up: a graph compiles when a role first runs, so a job compiles only the roles it runs.
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
     logits = None
     if job.get("forward", True):  # the full forward (a third graph when compiled)
@@ -38,7 +40,8 @@ def run(job: dict) -> dict:
     tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
     if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
         with torch.compiler.set_stance("fail_on_recompile"):
-            again = model.generate(job["prompt"][:-1], max_new_tokens=job["steps"], stop_at_eos=False)
+            again = model.generate(job.get("again_prompt", job["prompt"][:-1]), max_new_tokens=job["steps"],
+                                   stop_at_eos=False)
     else:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
