@@ -9,8 +9,8 @@ full forward) and "again_prompt" (what a compiled model decodes again; default: 
 its last token)}. With $QRT_TP_TEST_BAD_RANK_PATH,
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
-tokens, the compile report, every rank's RSS before loading and peak RSS after it, and every rank's
-parameter shapes.
+tokens, the compile report, every rank's RSS before the job's model and its peak RSS after loading
+it, and every rank's parameter shapes.
 """
 
 import json
@@ -28,6 +28,7 @@ def run(job: dict) -> dict:
     path = job["path"]
     if os.environ.get("RANK") == "1" and os.environ.get("QRT_TP_TEST_BAD_RANK_PATH"):
         path = os.environ["QRT_TP_TEST_BAD_RANK_PATH"]  # the fault test: this rank alone gets a bad checkpoint
+    rss_before_kib = current_rss_kib()
     model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
                                   compile=job["compile"], cache=False, progress=False, warmup=False,
                                   max_seq_len=job.get("max_seq_len", 128))
@@ -45,7 +46,7 @@ def run(job: dict) -> dict:
     else:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
-    mine = {"rss_kib": peak_rss_kib, "rss_before_kib": RSS_BEFORE_KIB, "shapes": shapes, "tokens": tokens,
+    mine = {"rss_kib": peak_rss_kib, "rss_before_kib": rss_before_kib, "shapes": shapes, "tokens": tokens,
             "report": model.compile_report()}
     gathered = [mine]
     if dist.is_initialized():  # tp=1 starts no process group
@@ -59,9 +60,6 @@ def current_rss_kib() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-RSS_BEFORE_KIB = current_rss_kib()  # after importing torch and qrt, before any model
 
 
 def main() -> int:
