@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: setup demo test test-slow bench bench-suite llama-cpp dump clean
+.PHONY: setup demo test test-slow test-bench bench bench-suite llama-cpp dump clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+# The bench scripts run end to end on tiny models, so that they cannot rot (CI runs this too).
+test-bench: setup
+	$(PY) -m pytest -m bench
 
 bench: setup
 	$(PY) bench/decode.py --json bench/results/decode.json

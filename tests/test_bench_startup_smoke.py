@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tiny_checkpoints import make_checkpoint
@@ -16,6 +17,7 @@ from tiny_checkpoints import make_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench  # a minute of bench subprocesses: `make test-bench`, which CI runs after `make test`
 def test_startup_smoke_run(tmp_path):
     checkpoint = tmp_path / "tiny-llama"
     make_checkpoint(checkpoint, "llama", dtype=torch.bfloat16, num_hidden_layers=2)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tiny_checkpoints import make_checkpoint
@@ -19,6 +20,7 @@ ROW_FIELDS = {"engine", "format", "label", "load_s", "compile_s", "warm_start_s"
               "jobs"}
 
 
+@pytest.mark.bench  # a minute of bench subprocesses: `make test-bench`, which CI runs after `make test`
 def test_suite_smoke_run(tmp_path):
     checkpoint = tmp_path / "tiny-llama"
     make_checkpoint(checkpoint, "llama", dtype=torch.bfloat16, num_hidden_layers=1)  # 1 layer: compiles faster
