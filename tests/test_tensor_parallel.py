@@ -257,6 +257,9 @@ def test_dump_lists_the_collectives_of_each_rank(format_folders, tmp_path):
     for rank in (0, 1):
         index = (tmp_path / "dump" / f"rank{rank}" / "index.md").read_text()
         assert f"tensor parallel: rank {rank} of 2" in index
+        assert "graphs compiled: {'prefill': 1, 'decode': 1, 'forward': 1}" in index, index
+        assert "ok: 2 decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles" in index
+        assert "- prefill: 1 graph(s), 0 break(s)" in index and "- decode: 1 graph(s), 0 break(s)" in index
         # each role: two all-reduces in the layer body, one for the embedding, one gather of the logits
         for role in ("prefill", "decode", "forward"):
             assert f"- {role} graph 0: all_gather_into_tensor x1, all_reduce x3, wait_tensor x4" in index, index
