@@ -83,24 +83,35 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def torchrun_localhost(nproc: int, program: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC PROGRAM…` on a free port of 127.0.0.1, output captured.
+
+    It runs in a session of its own, so that past `timeout` the ranks are stopped with torchrun
+    (killing torchrun alone leaves them running); then subprocess.TimeoutExpired is raised."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *program]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def run_config(path: Path, tp: int, threads: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, "--worker",
-                   "--path", str(path), "--tp", str(tp), "--threads", str(threads), "--device", args.device,
-                   "--steps", str(args.steps), "--runs", str(args.runs), "--out", str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        # A session of its own: past the timeout the ranks are stopped with torchrun.
-        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                              start_new_session=True) as process:
-            try:
-                _, stderr = process.communicate(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                raise SystemExit(f"tp={tp}: no result within {args.timeout} s; stopped") from None
-        if process.returncode != 0:
-            raise SystemExit(f"tp={tp} failed (exit {process.returncode}):\n{stderr[-4000:]}")
+        program = [__file__, "--worker", "--path", str(path), "--tp", str(tp), "--threads", str(threads),
+                   "--device", args.device, "--steps", str(args.steps), "--runs", str(args.runs), "--out", str(out)]
+        try:
+            done = torchrun_localhost(tp, program, {**os.environ, "OMP_NUM_THREADS": str(threads)}, args.timeout)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"tp={tp}: no result within {args.timeout} s; stopped") from None
+        if done.returncode != 0:
+            raise SystemExit(f"tp={tp} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 

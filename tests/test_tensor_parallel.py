@@ -6,12 +6,9 @@ logits matching tp=1 and identical greedy tokens; a compiled model keeps one gra
 no recompiles on either rank; a combination that cannot be split is refused before any weight is
 read; a failing rank makes every rank exit; each rank holds about half the weights."""
 
-import importlib.util
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -23,6 +20,8 @@ import torch
 import tiny_checkpoints
 import w8a8_checkpoints
 from arch_checkpoints import make_arch_checkpoint
+from bench.random_llama import write_random_llama
+from bench.tp import torchrun_localhost
 from format_cases import CASES
 from int_checkpoints import make_int_checkpoint
 from test_format_contract import TOLERANCE
@@ -57,27 +56,9 @@ def shapes_that_split_in_two():
         yield
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def torchrun_two(program: list[str], env=None) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node 2 PROGRAM…` on 127.0.0.1, one thread per rank."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), *program]
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    # A session of its own, so that a run past the timeout is stopped with its ranks, not only torchrun.
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return torchrun_localhost(2, program, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, TIMEOUT_S)
 
 
 def torchrun(jobs: list[dict], folder: Path, env=None) -> subprocess.CompletedProcess:
@@ -289,18 +270,10 @@ def test_a_world_size_other_than_tp_is_refused(llama_dir):
 
 
 # ---- memory -------------------------------------------------------------------------------------
-def _write_random_llama(folder: Path, shape: dict) -> None:
-    path = Path(__file__).resolve().parents[1] / "bench" / "random_llama.py"
-    spec = importlib.util.spec_from_file_location("random_llama", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.write_random_llama(folder, shape)
-
-
 @pytest.fixture(scope="module")
 def llama_172mb(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama-172mb")
-    _write_random_llama(folder, dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048,
+    write_random_llama(folder, dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048,
                                      num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
                                      max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False))
     return folder

@@ -21,7 +21,7 @@ from qrt.kernels.int_reference import pack_factor, unpack_rows
 
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
-                          loaded_g_idx, remove_parameters, shard_slot)
+                          loaded_g_idx, remove_parameters, shard_slot, whole_shard_shape)
 from .linear import LinearMethod, check_shape, copy_rows, make_parameter
 from .tensor_parallel import DENSE_WEIGHT, WHOLE, TensorSplit
 from .quant import QuantScheme
@@ -47,10 +47,9 @@ class CtIntConfig:
 
 def _check_weight_shape(param, loaded, shard_id, *, layer):
     """`weight_shape` is the unpadded [N, K] of one shard of the whole layer: it must be this layer's."""
-    n = layer.full_shard_sizes[shard_slot(layer, shard_id)] if layer.shard_layout is not None \
-        else layer.full_output_size
-    if loaded.numel() != 2 or [int(v) for v in loaded.reshape(-1)] != [n, layer.full_input_size]:
-        raise TensorMismatch(f"holds {loaded.tolist()}, but the model's layer is [{n}, {layer.full_input_size}]")
+    expected = whole_shard_shape(layer, shard_id)
+    if loaded.numel() != 2 or [int(v) for v in loaded.reshape(-1)] != expected:
+        raise TensorMismatch(f"holds {loaded.tolist()}, but the model's layer is {expected}")
     param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 

@@ -29,7 +29,7 @@ from qrt.kernels.int_reference import unpack_rows
 
 from .errors import CheckpointError, TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights, remove_parameters,
-                          shard_slot)
+                          shard_slot, whole_shard_shape)
 from .linear import LinearMethod, ShardLayout, copy_rows, make_parameter
 from .tensor_parallel import WHOLE, TensorSplit
 from .quant import QuantScheme
@@ -141,9 +141,9 @@ def unpermute_scales(scale_packed: torch.Tensor, group_size: int, k: int) -> tor
 def _check_weight_shape(param, loaded, shard_id, *, layer):
     """vLLM declares a `weight_shape` int64 [2]; when a file has one it must be this shard's [N, K]
     (of the whole layer, in a sharded model)."""
-    n, k = layer.full_shard_sizes[shard_slot(layer, shard_id)], layer.full_input_size
-    if loaded.dtype != torch.int64 or [int(v) for v in loaded.reshape(-1)] != [n, k]:
-        raise TensorMismatch(f"holds {loaded.tolist()} ({loaded.dtype}), expected int64 [{n}, {k}]")
+    expected = whole_shard_shape(layer, shard_id)
+    if loaded.dtype != torch.int64 or [int(v) for v in loaded.reshape(-1)] != expected:
+        raise TensorMismatch(f"holds {loaded.tolist()} ({loaded.dtype}), expected int64 {expected}")
     param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 

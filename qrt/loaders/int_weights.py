@@ -165,6 +165,12 @@ def shard_slot(layer, shard_id) -> int:
     return 0 if layer.shard_layout is None else layer.shard_layout.shard_ids.index(shard_id)
 
 
+def whole_shard_shape(layer, shard_id) -> list[int]:
+    """[N, K] of one shard of the whole layer, as a checkpoint's `weight_shape` records it (in a
+    sharded model too, where the layer holds a rank's part)."""
+    return [layer.full_shard_sizes[shard_slot(layer, shard_id)], layer.full_input_size]
+
+
 def g_idx_parameter(layer, **attributes):
     """Act-order group indices, loaded when the checkpoint has them: [shards, K] int32, one row
     per fused shard, the shards that arrived recorded in `layer.loaded_g_idx`."""

@@ -202,9 +202,6 @@ class Linear(nn.Module):
         self.params_dtype = dtype
         self.shard_layout = None if shard_ids is None else ShardLayout.stacked(shard_ids, output_sizes)
         self.quant_method = method
-        # Row-parallel: the output is a partial sum. Tensors that run along K in the checkpoint but
-        # must stay whole on every rank (act-order group scales) are sized by full_input_size.
-        self.splits_input = self.k_slice is not None
         self.gather_output = gather_output and parallel.sharded
         self.register_parameter("bias", None)
         if bias:
@@ -222,6 +219,12 @@ class Linear(nn.Module):
                 raise
             raise UnsupportedError(f"{err} (with tp={parallel.size}: the sizes are one rank's part of the "
                                    f"layer)") from None
+
+    @property
+    def splits_input(self) -> bool:
+        """Row-parallel: the output is a partial sum. Tensors that run along K in the checkpoint
+        but must stay whole on every rank (act-order group scales) are sized by full_input_size."""
+        return self.k_slice is not None
 
     def tensor_split(self, param_name: str) -> TensorSplit | None:
         """How the checkpoint tensor of `param_name` divides between ranks (read by the loader)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .tensor_parallel import cut_tensor, stored_entries, zero_padded
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -177,32 +178,24 @@ class StoredTensor:
 
     def read(self, cuts=()) -> torch.Tensor:
         if not cuts:
-            return self._rows(0, self.entry.shape[0] if self.entry.shape else 1, whole=True)
+            return self._rows(0)
         if len(cuts) > 1:
             raise ValueError(f"{self.entry.name}: one cut per tensor, got {len(cuts)}")
         (cut,) = cuts
         if cut.dim == 0:
-            pieces = [self._padded_rows(start, length, cut.size) for start, length in cut.segments]
+            pieces = [zero_padded(self._rows(start, stored_entries(start, length, cut.size)), length, 0)
+                      for start, length in cut.segments]
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        from .tensor_parallel import cut_tensor
-
         rows = self.entry.shape[0]
         row_bytes = max(self.entry.nbytes // max(rows, 1), 1)
         step = max(1, _CHUNK_BYTES // row_bytes)
         return torch.cat([cut_tensor(self._rows(start, min(step, rows - start)), cuts)
                           for start in range(0, rows, step)])
 
-    def _padded_rows(self, start: int, length: int, size: int) -> torch.Tensor:
-        """Rows [start, start + length), zeros past the tensor's `size` rows (a padded vocabulary)."""
-        stored = max(min(start + length, size) - start, 0)
-        rows = self._rows(start, stored)
-        if stored == length:
-            return rows
-        return torch.cat([rows, rows.new_zeros((length - stored, *rows.shape[1:]))])
-
-    def _rows(self, start: int, count: int, whole: bool = False) -> torch.Tensor:
+    def _rows(self, start: int, count: int | None = None) -> torch.Tensor:
+        """Rows [start, start + count) along dim 0; count None: the whole tensor."""
         entry = self.entry
-        shape = entry.shape if whole else (count, *entry.shape[1:])
+        shape = entry.shape if count is None else (count, *entry.shape[1:])
         tensor = torch.empty(shape, dtype=entry.dtype)
         nbytes = tensor.numel() * entry.dtype.itemsize
         if nbytes == 0:

@@ -8,7 +8,7 @@ embedding and lm_head split the vocabulary.
 
 Shapes of a sharded model are this rank's: a `Linear` is built with its rank's sizes, every format
 creates its parameters as it would for a smaller layer, and the loader hands each weight_loader the
-rank's slice of the checkpoint tensor (cut by the format's `TensorSplit`s, see `split_plan`). A
+rank's slice of the checkpoint tensor (cut by the format's `TensorSplit`s: `axis_cut`, called by the loader's `rank_cuts`). A
 format therefore shards without sharding code of its own, except where a tensor does not follow its
 layer's axes (act-order group scales, which every rank needs whole).
 
@@ -178,18 +178,27 @@ def axis_cut(tensor_name: str, layer_name: str, shape, dim: int, slices, axis: s
     return DimCut(dim, size, tuple(segments))
 
 
+def stored_entries(start: int, length: int, size: int) -> int:
+    """How many of a segment's `length` entries from `start` lie within a dim of `size` entries
+    (the rest, past the end of a padded vocabulary, are zeros)."""
+    return max(min(start + length, size) - start, 0)
+
+
+def zero_padded(piece: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`piece` with zeros appended along `dim` up to `length` entries."""
+    missing = length - piece.shape[dim]
+    if missing == 0:
+        return piece
+    pad_shape = list(piece.shape)
+    pad_shape[dim] = missing
+    return torch.cat([piece, piece.new_zeros(pad_shape)], dim=dim)
+
+
 def cut_tensor(tensor: torch.Tensor, cuts) -> torch.Tensor:
     """The rank's part of a whole loaded tensor (for readers that cannot read a slice)."""
     for cut in cuts:
-        pieces = []
-        for start, length in cut.segments:
-            stop = min(start + length, cut.size)
-            piece = tensor.narrow(cut.dim, start, max(stop - start, 0))
-            if stop - start < length:  # a padded vocabulary: the rows past the end are zeros
-                pad_shape = list(tensor.shape)
-                pad_shape[cut.dim] = length - max(stop - start, 0)
-                piece = torch.cat([piece, tensor.new_zeros(pad_shape)], dim=cut.dim)
-            pieces.append(piece)
+        pieces = [zero_padded(tensor.narrow(cut.dim, start, stored_entries(start, length, cut.size)), length, cut.dim)
+                  for start, length in cut.segments]
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cut.dim)
     return tensor.contiguous()
 
