@@ -103,7 +103,8 @@ def format_folders(tmp_path_factory):
 # Sharding changes only the summation order, except where activations are quantized per token at
 # run time: a row-parallel rank quantizes its part of each input row, with that part's range (as
 # vLLM does), so the two runs carry different draws of the activation rounding noise, which is
-# bounded here by about the size of that rounding itself; greedy tokens of a random tiny model, whose top logits nearly tie, may part ways.
+# bounded here by about the size of that rounding itself; greedy tokens of a random tiny model,
+# whose top logits nearly tie, may part ways.
 PER_TOKEN_ACTIVATIONS = {"stored:fp8": 0.08, "online:fp8": 0.08, "online:w8a8": 0.04}
 
 
