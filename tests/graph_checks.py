@@ -33,10 +33,8 @@ def decode_without_recompiles(model, prompt: list[int], max_new_tokens: int) -> 
 def assert_no_graph_breaks(model, role: str) -> None:
     """Dynamo's own account of the model's prefill (6 tokens) or decode (1 token) step: one graph,
     no breaks. Dynamo is reset by it, which discards the model's compiled graphs."""
-    length = 6 if role == "prefill" else 1
-    ids = torch.arange(length).view(1, -1) + 3
     with torch.no_grad():
-        result = torch._dynamo.explain(model.model)(ids, torch.arange(length), last_only=True)
+        result = torch._dynamo.explain(model.model)(*model.graph_inputs(role))
     assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
 
 

@@ -98,9 +98,12 @@ def test_batched_generation_continues_each_prompt_as_alone(llama_dir, compiled):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [7, 7, 7, 7, 7]]
     rows = batched.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False)
     assert rows == [single.generate(p, max_new_tokens=12, stop_at_eos=False) for p in prompts]
-    with no_recompiles():  # same batch size, other length: no new graph
-        batched.generate_batch([p[:3] for p in prompts], max_new_tokens=20, stop_at_eos=False)
-    with pytest.raises(ValueError, match="the KV cache holds 3 sequences; pass max_batch_size=4"):
-        batched.generate_batch(prompts + [[1, 2, 3, 4, 5]], max_new_tokens=2)
-    with pytest.raises(ValueError, match="list of token-id lists of equal length"):
-        batched.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=2)
+    # Other lengths, one prompt more than there are slots (it waits for one): no new graph.
+    uneven = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46], [9], [11, 12, 13, 14]]
+    with no_recompiles():
+        rows = batched.generate_batch(uneven, max_new_tokens=9, stop_at_eos=False)
+    assert rows == [single.generate(p, max_new_tokens=9, stop_at_eos=False) for p in uneven]
+    with pytest.raises(ValueError, match="non-empty list of token-id lists"):
+        batched.generate_batch([], max_new_tokens=2)
+    with pytest.raises(ValueError, match="exceeds the KV cache of 128 tokens"):
+        batched.generate_batch([[1, 2], list(range(120))], max_new_tokens=9)

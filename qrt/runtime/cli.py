@@ -247,8 +247,8 @@ def _dump(args) -> int:
     ids = torch.randint(0, model.vocab_size, (1, 8))
     explain = {}
     with torch.no_grad():
-        for role, length in (("prefill", 8), ("decode", 1)):
-            explain[role] = torch._dynamo.explain(model.model)(ids[:, :length], torch.arange(length), last_only=True)
+        for role in ("prefill", "decode"):
+            explain[role] = torch._dynamo.explain(model.model)(*model.graph_inputs(role))
         model.generate(ids[0].tolist(), max_new_tokens=2, stop_at_eos=False)
         model(ids)
         recompile_check = _check_no_recompiles(model, args.decode_steps)

@@ -22,10 +22,11 @@ from qrt.passes.backend import QrtBackend
 
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
                             use_qrt_inductor_dir)
-from .distributed import broadcast_from_first, rank_device, tensor_parallel
+from .distributed import rank_device, tensor_parallel
+from .engine import Engine, Request
 from .malloc import map_large_allocations
 from .registry import ModelRegistry
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 
 DEFAULT_MAX_SEQ_LEN = 2048
 # "regional": each distinct decoder layer compiled once, weights as graph inputs (prepacked by
@@ -122,12 +123,12 @@ def compile_model(
     return compiled
 
 
-def _prefill(model, input_ids, input_pos, cache_positions):
-    return model(input_ids, input_pos, cache_positions, last_only=True)
+def _prefill(model, input_ids, positions, keys, slots, logits_at):
+    return model(input_ids, positions, keys, slots, logits_at)
 
 
-def _decode(model, input_ids, input_pos, cache_positions):
-    return model(input_ids, input_pos, cache_positions, last_only=True)
+def _decode(model, input_ids, positions, keys):
+    return model(input_ids, positions, keys)
 
 
 def _forward(model, input_ids):
@@ -159,9 +160,11 @@ class CompiledModel:
         self.parallel = model.config.parallel
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.max_seq_len
+        self.max_batch_size = model.max_batch_size  # KV-cache slots
         self.build = build
         self.compile_cache = compile_cache
         self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
+        self._engine: Engine | None = None
         model.compile_layers_once = compile and build == "regional"
         freeze = build == "frozen" and self.device.type == "cpu"
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
@@ -195,110 +198,152 @@ class CompiledModel:
         return self._run("forward", input_ids)
 
     # ---- generation ----------------------------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching engine over this model's KV-cache slots (made on first use)."""
+        if self._engine is None:
+            self._engine = Engine(self)
+        return self._engine
+
     def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 chat: bool = False, stop_at_eos: bool = True, stream=None):
+                 chat: bool = False, stop_at_eos: bool = True, stop: list[str] | tuple[str, ...] = (), stream=None):
         """str in -> str out (the new text); token ids (list or 1-D tensor) in -> new ids out.
 
         chat=True wraps a str prompt in the tokenizer's chat template as one user turn.
+        stop: strings that end the output where they first appear (not included in the text).
         stream: optional callable receiving each new token id as it is produced.
+        One request through the same engine the server batches requests with.
         """
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         text_in = isinstance(prompt, str)
         ids = self.encode(prompt, chat) if text_in else prompt
         ids = self._check_ids(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), allow_batch=False)
-        if ids.shape[1] + max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV "
-                f"cache of {self.max_seq_len} tokens; shorten the prompt, lower max_new_tokens, or "
-                f"pass a larger max_seq_len to compile_model"
-            )
-        (new_ids,) = self._generate_ids(ids, max_new_tokens, params, stop_at_eos, stream)
-        if text_in:
-            return self.tokenizer.decode(new_ids, skip_special_tokens=True)
-        return new_ids
+        request = self.request(ids[0].tolist(), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
+                               stop_at_eos=stop_at_eos, stop_strings=tuple(stop), text=text_in)
+
+        def listener(update):
+            if stream is not None and update.token is not None:
+                stream(update.token)
+
+        seq = self.engine.submit(request, listener)
+        self._run_engine([seq])
+        return seq.text if text_in else seq.tokens
 
     def generate_batch(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                        stop_at_eos: bool = True) -> list[list[int]]:
-        """Continue several token-id prompts of equal length together: one batched prefill, then
-        batched decode steps. Returns each prompt's new ids (a row stops at its EOS).
+        """Continue several token-id prompts (of any lengths) together, batched by the engine.
+        Returns each prompt's new ids (a row stops at its EOS).
 
-        At most `max_batch_size` prompts (compile_model's argument: the KV cache holds that many
-        sequences). The batch size is part of the compiled graphs' shapes: each new one compiles
-        prefill and decode once."""
+        At most `max_batch_size` prompts run at once (compile_model's argument: the KV cache
+        holds that many sequences); more wait for a free slot."""
         params = SamplingParams(temperature, top_k, top_p, seed)
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("generate_batch takes a non-empty list of token-id lists")
+        requests = []
+        for prompt in prompts:
+            ids = self._check_ids(torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1), allow_batch=False)
+            requests.append(self.request(ids[0].tolist(), max_new_tokens, params, stop_at_eos=stop_at_eos))
+        sequences = [self.engine.submit(r) for r in requests]
+        self._run_engine(sequences)
+        return [seq.tokens for seq in sequences]
+
+    def request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, *, stop_at_eos: bool = True,
+                stop_ids=(), stop_strings: tuple[str, ...] = (), text: bool = False) -> Request:
+        """An engine Request, checked against this model: ids in the vocabulary, prompt +
+        max_tokens within the KV cache, stop strings needing a tokenizer."""
+        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_tokens!r}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt_ids) + max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_tokens}) exceeds the KV "
+                f"cache of {self.max_seq_len} tokens; shorten the prompt, lower max_new_tokens, or "
+                f"pass a larger max_seq_len to compile_model"
+            )
+        if (stop_strings or text) and self.tokenizer is None:
+            raise ValueError(f"{self.source} has no usable tokenizer, so stop strings and text output cannot be used")
+        stops = frozenset(stop_ids) | (frozenset(self.eos_ids) if stop_at_eos else frozenset())
+        return Request(tuple(prompt_ids), max_tokens, sampling, stops, tuple(stop_strings), text)
+
+    def _run_engine(self, sequences) -> None:
+        """Step the engine until `sequences` are done; raise the first one's error, if any."""
         try:
-            ids = torch.as_tensor(prompts, dtype=torch.long)
-        except (ValueError, TypeError):
-            raise ValueError("generate_batch takes a list of token-id lists of equal length") from None
-        ids = self._check_ids(ids, allow_batch=True)
-        if ids.shape[0] > self.model.max_batch_size:
-            raise ValueError(f"{ids.shape[0]} prompts, but the KV cache holds {self.model.max_batch_size} sequences; "
-                             f"pass max_batch_size={ids.shape[0]} to compile_model")
-        if ids.shape[1] + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompts ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceed the KV "
-                             f"cache of {self.max_seq_len} tokens")
-        return self._generate_ids(ids, max_new_tokens, params, stop_at_eos, None)
+            self.engine.run(sequences)
+        except BaseException:
+            for seq in sequences:  # e.g. KeyboardInterrupt: leave no request holding a slot
+                seq.cancel()
+            self.engine.step()
+            raise
+        for seq in sequences:
+            if seq.error is not None:
+                raise seq.error
 
-    def _generate_ids(self, ids, max_new_tokens, params, stop_at_eos, stream) -> list[list[int]]:
-        """ids: [B, T]. New ids per row; `stream` (B = 1) receives each as it is sampled."""
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        batch, seq = ids.shape
-        rows: list[list[int]] = [[] for _ in range(batch)]
-        finished = [False] * batch
-        logits = self._prefill(ids)
-        # Longrope models (Phi-3) switch to their long factors past the original context; there
-        # transformers recomputes the whole sequence with them, so qrt does too. Only they keep
-        # the sequence so far: a torch.cat per token is waste on the decode loop's hot path.
-        recompute_at = self.model.rotary.long_from
-        sequence = ids if recompute_at is not None else None  # [B, seq + step]: what a recompute would run
-        for step in range(max_new_tokens):
-            tokens = broadcast_from_first(sample(logits[:, -1], params, generator), self.parallel)  # [B]
-            for row, token_id in enumerate(tokens.tolist()):
-                if not finished[row]:
-                    rows[row].append(token_id)
-                    finished[row] = stop_at_eos and token_id in self.eos_ids
-                    if stream is not None:
-                        stream(token_id)
-            if all(finished) or step == max_new_tokens - 1:
-                break
-            if sequence is not None:
-                sequence = torch.cat([sequence, tokens.view(-1, 1)], dim=1)
-            if seq + step == recompute_at:
-                logits = self._prefill(sequence)
-            else:
-                logits = self._decode(tokens.view(-1, 1), seq + step)
-        return rows
+    def prefill_chunk(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
+        """Run prompt tokens at positions start.. into cache slot `slot`, attending over the
+        cache up to them; float32 logits [V] of the last one."""
+        return self._run("prefill", *self._prefill_inputs(tokens, start, slot))[0, 0]
 
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
+        """One token per cache slot: tokens, positions [slots]; attention over the first
+        `attended` cache entries (the furthest row's position + 1). float32 logits [slots, V]."""
+        return self._run("decode", *self._decode_inputs(tokens, positions, attended))[:, 0]
+
+    def graph_inputs(self, role: str) -> tuple:
+        """Arguments of the model's forward as the prefill (a 6-token prompt) or decode (slot 0
+        at position 2, the others idle) graph gets them, for tools that trace the model."""
+        if role == "prefill":
+            return self._prefill_inputs(list(range(3, 9)), 0, 0)
+        return self._decode_inputs(*self._slot0_step(3, 2), 3)
+
+    def _prefill_inputs(self, tokens: list[int], start: int, slot: int) -> tuple:
+        length = len(tokens)
+        logits_at = length - 1
+        if length == 1:
+            # The prefill graph's length is dynamic from 2 (Dynamo specializes 1): a one-token
+            # prompt runs with a filler token after it, whose K/V at position 1 the first fed
+            # token overwrites before anything attends to it.
+            tokens, length = [tokens[0], 0], 2
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        positions = torch.arange(start, start + length, dtype=torch.long, device=self.device)[None]  # [1, T]
+        keys = torch.arange(start + length, dtype=torch.long, device=self.device)  # [S'] = 0..start+T-1
+        # Lengths vary: dynamic dims keep one graph for all. Only these dims: `dynamic=True` would
+        # also turn Python floats (norm eps, fp8 limits) into graph inputs. They stay below the
+        # cache size (a prompt leaves room for a new token): slicing the whole cache would be
+        # traced as a special case.
+        limit = self.max_seq_len - 1
+        torch._dynamo.mark_dynamic(ids, 1, min=2, max=limit)
+        torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
+        torch._dynamo.mark_dynamic(keys, 0, min=2, max=limit)
+        slots = torch.tensor([slot], dtype=torch.long, device=self.device)  # [1]
+        index = torch.tensor([logits_at], dtype=torch.long, device=self.device)  # [1]
+        return ids, positions, keys, slots, index
+
+    def _decode_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+        keys = torch.arange(max(attended, 2), dtype=torch.long, device=self.device)  # [S']
+        # The attended length grows every step: a dynamic dim keeps it one graph. At least 2,
+        # because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
+        torch._dynamo.mark_dynamic(keys, 0, min=2, max=self.max_seq_len - 1)
+        return tokens.to(self.device).view(-1, 1), positions.to(self.device).view(-1, 1), keys  # [slots, 1] each
+
+    def _slot0_step(self, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [slots] of a decode step with only slot 0 busy. Idle rows feed
+        token 0 at the last cache position, which no request reaches (see Engine._decode_step)."""
+        tokens = torch.zeros(self.max_batch_size, dtype=torch.long)
+        positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, dtype=torch.long)
+        tokens[0], positions[0] = token, position
+        return tokens, positions
+
+    # Single-sequence steps on slot 0 (tests and profiles drive the graphs with them).
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run prompts [B, T] from position 0, filling the KV cache; [B, 1, V] logits of their last token."""
-        seq = ids.shape[1]
-        ids = ids.to(self.device)
-        if seq == 1:  # a one-token prompt is a decode step
-            return self._decode(ids, 0)
-        positions = torch.arange(seq, dtype=torch.long, device=self.device)
-        # Prompts vary in length: mark it dynamic so one graph serves them all. Only this dim:
-        # `dynamic=True` would also turn Python floats (norm eps, fp8 limits) into graph inputs.
-        # A prompt leaves room for at least one new token: its length stays below the cache size.
-        torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq_len - 1)
-        torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_seq_len - 1)
-        return self._run("prefill", ids, positions, positions)
+        """Prompt [1, T] from position 0 into slot 0; [1, 1, V] logits of its last token."""
+        return self.prefill_chunk(ids[0].tolist(), 0, 0).view(1, 1, -1)
 
     def _decode(self, token: torch.Tensor, position: int) -> torch.Tensor:
-        """One token [1, 1] at `position`; attends over the cache up to it, not the whole cache."""
-        input_pos = torch.tensor([position], dtype=torch.long, device=self.device)
-        # The attended length grows every step: a dynamic dim keeps it one graph. At least 2,
-        # because Dynamo specializes sizes 0 and 1 (the extra entry is masked out); below the
-        # cache size, which generation never reaches (the last token is sampled, not decoded),
-        # because slicing the whole cache would be traced as a special case.
-        cache_positions = torch.arange(max(position + 1, 2), dtype=torch.long, device=self.device)
-        torch._dynamo.mark_dynamic(cache_positions, 0, min=2, max=self.max_seq_len - 1)
-        return self._run("decode", token.to(self.device), input_pos, cache_positions)
+        """Token [1, 1] at `position` in slot 0 (other slots idle); [1, 1, V] logits."""
+        tokens, positions = self._slot0_step(int(token.reshape(-1)[0]), position)
+        return self.decode_step(tokens, positions, position + 1)[:1].view(1, 1, -1)
 
     def _run(self, role: str, *args) -> torch.Tensor:
         with torch.no_grad(), inductor_config.patch(self._trace_config):
@@ -318,11 +363,11 @@ class CompiledModel:
         # A fresh record of cache artifacts, so that the entry holds this model's graphs only
         # (torch versions without it record the whole process's, which is safe, only larger).
         with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
-            for role, length in (("prefill", 2), ("decode", 1)):
+            for role in ("prefill", "decode"):
                 role_started = time.perf_counter()
                 if entry is None:
                     self._say(f"qrt: compiling {role} …")
-                self._prefill(torch.zeros(1, length, dtype=torch.long))
+                self._warm(role)
                 self.compile_seconds[role] = time.perf_counter() - role_started
                 if entry is None:
                     self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
@@ -331,6 +376,15 @@ class CompiledModel:
                 self._say(f"qrt: loaded compiled graphs from cache in {total:.1f} s")
             elif self.compile_cache is not None:
                 self._store_compiled_graphs(total)
+
+    def _warm(self, role: str) -> None:
+        """Trace `role` on filler tokens in slot 0 (the engine rewrites whatever they leave in
+        the cache before reading it). Prefill runs a chunk at an offset, so that Dynamo sees the
+        chunk length and the attended length as two sizes, not one."""
+        if role == "prefill":
+            self.prefill_chunk([0, 0], 1, 0)
+        else:
+            self._decode(torch.zeros(1, 1, dtype=torch.long), 2)
 
     def _say(self, line: str) -> None:
         if self.progress:

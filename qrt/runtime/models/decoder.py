@@ -24,8 +24,8 @@ SEPARATE_PROJECTIONS = (
 )
 
 
-def _run_layer(layer, x, cos, sin, mask, input_pos):
-    return layer(x, cos, sin, mask, input_pos)
+def _run_layer(layer, x, cos, sin, mask, positions, slots):
+    return layer(x, cos, sin, mask, positions, slots)
 
 
 # Under torch.compile, Dynamo traces the body once per distinct kind of layer and Inductor
@@ -103,33 +103,35 @@ class CausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x).float()  # [B, T, V] fp32
 
-    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
-                cache_positions: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """input_ids: [B, T] int64. With input_pos ([T] positions) K/V go to the static cache
-        and attention covers the cache entries `cache_positions` ([S'] = 0..S'-1, default the
-        whole cache): attending only over the filled part saves reading the rest every step.
-        Without input_pos, plain causal attention within input_ids (no cache). Returns float32
-        logits [B, T, V] ([B, 1, V] if last_only)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, T] int64.
+
+        With positions ([B, T], each row its own) K/V go to the static cache, row b into cache
+        row slots[b] ([B]; None: cache row b), and attention covers the cache entries `keys`
+        ([S'] = 0..S'-1): attending only over the filled part saves reading the rest every step.
+        Without positions, plain causal attention within input_ids (no cache).
+        logits_at: [B], the one position of each row whose logits to return ([B, 1, V]);
+        None: all of them. Returns float32 logits [B, T, V]."""
         seq = input_ids.shape[1]
-        if input_pos is None:
-            positions = keys = torch.arange(seq, device=input_ids.device)  # [T]
+        if positions is None:
+            positions = torch.arange(seq, device=input_ids.device)[None]  # [1, T]
+            keys, cached = positions[0], None
         else:
-            positions = input_pos
-            keys = cache_positions
-            if keys is None:
-                keys = torch.arange(self.max_seq_len, device=input_ids.device)  # [S]: the whole cache
-        mask = keys[None, :] <= positions[:, None]  # [T, S] causal
+            cached = positions
+        mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, S'] causal, per row
         sliding_mask = mask
         if self.sliding_window is not None:
-            sliding_mask = mask & (keys[None, :] > positions[:, None] - self.sliding_window)  # [T, S]
-        rope = self.rotary(positions)  # cos, sin: [T, rot] each
+            sliding_mask = mask & (keys[None, None, :] > positions[:, :, None] - self.sliding_window)
+        rope = self.rotary(positions)  # cos, sin: [B, 1, T, rot] each
         local_rope = rope if self.local_rotary is None else self.local_rotary(positions)
         x = self.embed(input_ids)
         run_layer = _run_layer_once if self.compile_layers_once else _run_layer
         for layer in self.model.layers:
             cos, sin = local_rope if layer.sliding else rope
-            x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, input_pos)
+            x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, cached, slots)
         x = self.model.norm(x)
-        if last_only:
-            x = x[:, -1:]
+        if logits_at is not None:
+            x = x.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))  # [B, 1, D]
         return self.logits(x)

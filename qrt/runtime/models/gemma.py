@@ -30,9 +30,9 @@ class GemmaDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    def forward(self, x, cos, sin, mask, positions, slots):
         # post_attention_layernorm normalises the attention output here, not the MLP input.
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, slots))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 

@@ -169,16 +169,19 @@ class RotaryEmbedding(nn.Module):
             self.long_cos, self.long_sin = rope_tables(self.rope, length, dtype, device, long=True)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, rope.dim]."""
-        cos, sin = self.cos[positions], self.sin[positions]
+        """positions: [B, T] (each row its own) -> cos, sin: [B, 1, T, rope.dim], broadcasting over heads."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         if self.long_from is None:
             return cos, sin
-        long = positions.max() >= self.long_from  # [] bool: a select in the graph, not a branch
-        return torch.where(long, self.long_cos[positions], cos), torch.where(long, self.long_sin[positions], sin)
+        # Per row: long factors once the row reaches past the original context. [B, 1, 1, 1]
+        # bool: a select in the graph, not a branch.
+        long = (positions.amax(dim=-1) >= self.long_from).view(-1, 1, 1, 1)
+        long_cos, long_sin = self.long_cos[positions].unsqueeze(1), self.long_sin[positions].unsqueeze(1)
+        return torch.where(long, long_cos, cos), torch.where(long, long_sin, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, hd]; cos/sin: [T, rot]. Rotate-half convention (as HF checkpoints use);
+    """x: [B, heads, T, hd]; cos/sin: [B, 1, T, rot]. Rotate-half convention (as HF checkpoints use);
     with rot < hd only the first rot dims rotate (partial rotary)."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
@@ -229,10 +232,11 @@ class Attention(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def forward(self, x, cos, sin, mask, input_pos):
-        """x: [B, T, D]; cos/sin: [T, rot]; mask: [T, S'] bool (True = may attend) over the first
-        S' cache entries; input_pos: [T] positions to write into the KV cache, or None to attend
-        within x only."""
+    def forward(self, x, cos, sin, mask, positions, slots):
+        """x: [B, T, D]; cos/sin: [B, 1, T, rot]; mask: [B, T, S'] bool (True = may attend) over
+        the first S' cache entries. positions: [B, T], where each row writes its K/V in the cache,
+        or None to attend within x only; slots: [B], the cache row of each batch row, or None when
+        batch row b is cache row b (the batch is the whole cache)."""
         bsz, seq, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -242,24 +246,19 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if input_pos is not None:
-            k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]
+        if positions is not None:
             attended = mask.shape[-1]  # S': the cache entries this call attends over
             if self.fp8_cache:
-                # As bytes: ATen's CPU index_copy_ has no fp8 kernel (eager generation would fail).
-                k_cache.view(torch.uint8).index_copy_(2, input_pos, quantize_kv(k, self.k_scale).view(torch.uint8))
-                v_cache.view(torch.uint8).index_copy_(2, input_pos, quantize_kv(v, self.v_scale).view(torch.uint8))
-                k = dequantize_kv(k_cache[:, :, :attended], self.k_scale, q.dtype)  # [B, KVH, S', hd]
-                v = dequantize_kv(v_cache[:, :, :attended], self.v_scale, q.dtype)
-            else:
-                k_cache.index_copy_(2, input_pos, k)
-                v_cache.index_copy_(2, input_pos, v)
-                k, v = k_cache[:, :, :attended], v_cache[:, :, :attended]  # [B, KVH, S', hd]
+                k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
+            k = write_and_read_cache(self.k_cache, k, positions, slots, attended)  # [B, KVH, S', hd]
+            v = write_and_read_cache(self.v_cache, v, positions, slots, attended)
+            if self.fp8_cache:
+                k, v = dequantize_kv(k, self.k_scale, q.dtype), dequantize_kv(v, self.v_scale, q.dtype)
         # Grouped-query attention without copying K/V per query head: the G query heads that
         # share a KV head are folded into the query-length axis, and the mask repeated to match.
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(bsz, self.num_kv_heads, group * seq, self.head_dim)  # [B, KVH, G*T, hd]
-        mask = mask.repeat(group, 1)  # [G*T, S]
+        mask = mask.repeat(1, group, 1).unsqueeze(1)  # [B, 1, G*T, S']
         if self.softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
@@ -268,9 +267,28 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+def write_and_read_cache(cache, new, positions, slots, attended: int) -> torch.Tensor:
+    """Write `new` ([B, KVH, T, hd]) into `cache` ([N, KVH, S, hd]) at each row's `positions`
+    ([B, T]) in cache row `slots[b]` (or b), and return those rows' first `attended` entries.
+
+    One flat index_copy_ over [N * KVH * S, hd] rows, because every batch row writes at positions
+    of its own. An fp8 cache is written as bytes: ATen's CPU index_copy_ has no fp8 kernel."""
+    rows, heads, length, hd = cache.shape
+    bsz = new.shape[0]
+    batch_rows = torch.arange(bsz, device=cache.device) if slots is None else slots  # [B]
+    heads_index = torch.arange(heads, device=cache.device)
+    flat = (batch_rows[:, None, None] * heads + heads_index[None, :, None]) * length + positions[:, None, :]  # [B, KVH, T]
+    storage, values = cache, new.reshape(-1, hd)
+    if cache.dtype == torch.float8_e4m3fn:
+        storage, values = cache.view(torch.uint8), values.view(torch.uint8)
+    storage.view(rows * heads * length, hd).index_copy_(0, flat.reshape(-1), values)
+    held = cache[:, :, :attended]  # [N, KVH, S', hd]
+    return held if slots is None else held.index_select(0, slots)  # [B, KVH, S', hd]
+
+
 def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
     """Attention whose scores pass through cap * tanh(scores / cap) before the mask (Gemma 2),
-    a step SDPA has no hook for. q: [B, KVH, G*T, hd]; k, v: [B, KVH, S, hd]; mask: [G*T, S]."""
+    a step SDPA has no hook for. q: [B, KVH, G*T, hd]; k, v: [B, KVH, S, hd]; mask: [B, 1, G*T, S]."""
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, KVH, G*T, S]
     scores = cap * torch.tanh(scores / cap)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -315,6 +333,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg, f"{prefix}.mlp", scheme, dtype, fused_checkpoint=self.fused_checkpoint)
 
-    def forward(self, x, cos, sin, mask, input_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+    def forward(self, x, cos, sin, mask, positions, slots):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, slots)
         return x + self.mlp(self.post_attention_layernorm(x))

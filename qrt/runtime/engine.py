@@ -1,0 +1,257 @@
+"""Continuous batching over a CompiledModel's graphs.
+
+The KV cache holds `max_batch_size` slots, each with positions of its own. Every step runs
+  1. prefill chunks of newly admitted requests (each chunk its own call of the prefill graph,
+     at most `chunk_size` tokens in all, so a long prompt stalls running streams by one chunk);
+  2. one call of the decode graph over every slot (B = slots, idle slots masked), for the
+     requests that were decoding when the step began;
+then samples each request's next token with its own parameters. Requests join and leave between
+steps; the graphs' shapes never change, so nothing recompiles as they do.
+
+Each request's output depends only on its own prompt and parameters: its prefill chunks are
+planned from its prompt length alone, and decode rows do not mix. `CompiledModel.generate` is one
+request through this same engine.
+
+Not thread-safe: one thread calls `submit` and `step` (the server's engine thread); `cancel` may be
+called from anywhere.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .distributed import broadcast_from_first
+from .sampling import SamplingParams, sample
+from .text_stream import TextStream
+
+DEFAULT_CHUNK = 256  # prefill tokens per step
+
+# Why a request ended (the OpenAI API's finish_reason, plus the two that are the server's own).
+STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: frozenset[int] = frozenset()  # ending on one of these keeps it in the ids, not in the text
+    stop_strings: tuple[str, ...] = ()
+    text: bool = False  # also turn the ids into text (needed for stop strings)
+
+
+@dataclass
+class Update:
+    """What one step did to one request: a new token (and the text it made safe to show), and
+    whether the request ended."""
+    token: int | None
+    text: str
+    finish_reason: str | None
+    time: float  # time.perf_counter() when it happened
+    error: BaseException | None = None
+
+
+@dataclass
+class Sequence:
+    """One request's way through the engine. `listener` (called on the engine's thread) gets
+    each Update; `tokens` and `text` hold everything so far."""
+    request: Request
+    listener: object = None
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    # Engine bookkeeping.
+    slot: int | None = None
+    feed: list[int] = field(default_factory=list)  # tokens still to prefill
+    chunks: deque = field(default_factory=deque)  # planned prefill chunks: (start, end) within feed
+    position: int = 0  # the cache position the next fed token goes to
+    next_token: int | None = None  # the token the next decode step feeds
+    generator: torch.Generator | None = None
+    stream: TextStream | None = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request; it frees the slot at the start of its next step."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """Split `length` prompt tokens into prefill chunks of at most `chunk`, none of one token
+    (the prefill graph's length is dynamic from 2: a lone remaining token moves into the chunk
+    before it). A one-token prompt is one chunk of one (run padded, see Engine._prefill)."""
+    bounds = list(range(0, length, chunk)) + [length]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class Engine:
+    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK):
+        if chunk_size < 3:
+            raise ValueError(f"chunk_size must be at least 3 tokens, got {chunk_size}")
+        self.model = model
+        self.chunk_size = chunk_size
+        self.slots: list[Sequence | None] = [None] * model.max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        # Longrope models (Phi-3) switch to long factors past the original context, for every
+        # position of the sequence (as transformers does): a prompt past it prefills in one
+        # chunk, and a sequence that grows past it is prefilled again from the start.
+        self.long_from = model.model.rotary.long_from
+
+    # ---- what callers use -----------------------------------------------------------------------
+    def submit(self, request: Request, listener=None) -> Sequence:
+        """Queue a request (checked by the caller: prompt + max_tokens fit the cache)."""
+        seq = Sequence(request, listener)
+        if request.sampling.seed is not None:
+            seq.generator = torch.Generator().manual_seed(request.sampling.seed)
+        if request.text or request.stop_strings:
+            seq.stream = TextStream(self.model.tokenizer, request.stop_strings)
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def run(self, sequences) -> None:
+        """Step until every one of `sequences` is done (synchronous callers: generate)."""
+        while not all(seq.done for seq in sequences):
+            self.step()
+
+    def step(self) -> None:
+        """One round: drop cancelled requests, admit waiting ones, prefill, decode, sample."""
+        for seq in [s for s in self.slots if s is not None and s.cancelled] + [s for s in self.waiting if s.cancelled]:
+            self._finish(seq, CANCELLED)
+        self._admit()
+        decoding = [s for s in self.slots if s is not None and s.next_token is not None]
+        self._restart_past_long_context(decoding)
+        decoding = [s for s in decoding if s.next_token is not None]
+        sampled = self._prefill_step() + self._decode_step(decoding)  # [(sequence, logits [V])]
+        if not sampled:
+            return
+        tokens = torch.stack([self._sample(seq, logits) for seq, logits in sampled])  # [n]
+        tokens = broadcast_from_first(tokens, self.model.parallel)
+        now = time.perf_counter()
+        for (seq, _), token in zip(sampled, tokens.tolist()):
+            self._guarded(seq, self._accept, seq, token, now)
+
+    # ---- scheduling -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        for slot, held in enumerate(self.slots):
+            if held is None and self.waiting:
+                seq = self.waiting.popleft()
+                seq.slot = slot
+                self.slots[slot] = seq
+                self._start_prefill(seq, list(seq.request.prompt))
+
+    def _start_prefill(self, seq: Sequence, tokens: list[int]) -> None:
+        seq.feed, seq.position, seq.next_token = tokens, 0, None
+        whole = self.long_from is not None and len(tokens) > self.long_from
+        seq.chunks = deque(plan_chunks(len(tokens), len(tokens) if whole else self.chunk_size))
+
+    def _restart_past_long_context(self, decoding) -> None:
+        for seq in decoding:
+            if self.long_from is not None and seq.position == self.long_from:
+                self._start_prefill(seq, list(seq.request.prompt) + seq.tokens)  # one chunk: past long_from
+
+    def _prefill_step(self) -> list:
+        """Run planned chunks, oldest request first, while the step's token budget lasts (the
+        first chunk always runs). Returns (sequence, logits) of those whose prompt is done."""
+        budget, done = self.chunk_size, []
+        for seq in sorted((s for s in self.slots if s is not None and s.chunks), key=lambda s: s.submitted):
+            while seq.chunks and (budget == self.chunk_size or seq.chunks[0][1] - seq.chunks[0][0] <= budget):
+                start, end = seq.chunks.popleft()
+                budget -= end - start
+                logits = self._guarded(seq, self.model.prefill_chunk, seq.feed[start:end], start, seq.slot)
+                if logits is None:
+                    break
+                seq.position = end
+                if not seq.chunks:
+                    done.append((seq, logits))
+            if budget <= 0:
+                break
+        return done
+
+    def _decode_step(self, decoding) -> list:
+        if not decoding:
+            return []
+        slots = len(self.slots)
+        # Idle rows feed token 0 at the last cache position, which no request reaches (the last
+        # token of a request that fills the cache is sampled, never fed) and none attends.
+        tokens = torch.zeros(slots, dtype=torch.long)
+        positions = torch.full((slots,), self.model.max_seq_len - 1, dtype=torch.long)
+        for seq in decoding:
+            tokens[seq.slot], positions[seq.slot] = seq.next_token, seq.position
+        try:
+            logits = self.model.decode_step(tokens, positions, max(s.position for s in decoding) + 1)  # [slots, V]
+        except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
+            for seq in decoding:
+                self._fail(seq, err)
+            return []
+        for seq in decoding:
+            seq.position += 1
+        return [(seq, logits[seq.slot]) for seq in decoding]
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        return sample(logits.view(1, -1), seq.request.sampling, seq.generator)[0]
+
+    # ---- a request's own progress ------------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int, now: float) -> None:
+        if seq.done:  # failed or was cancelled during this step
+            return
+        seq.tokens.append(token)
+        request = seq.request
+        text = seq.stream.add(token) if seq.stream is not None else ""
+        reason = None
+        if token in request.stop_ids or (seq.stream is not None and seq.stream.stopped):
+            reason = STOP
+        elif len(seq.tokens) >= request.max_tokens:
+            reason = LENGTH
+        if reason is not None and seq.stream is not None:
+            text += seq.stream.flush()
+        seq.text += text
+        seq.next_token = token
+        self._notify(seq, Update(token, text, None, now))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if seq.slot is not None:
+            self.slots[seq.slot] = None
+            seq.slot = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish_reason, seq.error, seq.next_token, seq.chunks = reason, error, None, deque()
+        self._notify(seq, Update(None, "", reason, time.perf_counter(), error))
+
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        if not seq.done:
+            self._finish(seq, ERROR, err)
+
+    def _guarded(self, seq: Sequence, fn, *args):
+        """fn(*args); an exception fails this request only, and gives None."""
+        try:
+            return fn(*args)
+        except Exception as err:  # noqa: BLE001  (one request's fault must not stop the others)
+            self._fail(seq, err)
+            return None
+
+    @staticmethod
+    def _notify(seq: Sequence, update: Update) -> None:
+        if seq.listener is not None:
+            try:
+                seq.listener(update)
+            except Exception:  # noqa: BLE001  (a listener's fault is its own; the engine goes on)
+                seq.cancel()
