@@ -39,6 +39,23 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chat_llama_dir(tmp_path_factory):
+    """The tiny Llama with a byte-level tokenizer and a ChatML template: text in, text out."""
+    from tiny_tokenizer import write_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-chat-llama")
+    make_checkpoint(folder, "llama", seed=3, max_position_embeddings=1024)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_llama_dir):
+    """chat_llama_dir compiled with three KV-cache slots of 512 tokens."""
+    return runtime.compile_model(chat_llama_dir, progress=False, max_seq_len=512, max_batch_size=3)
+
+
+@pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-qwen2")
     make_checkpoint(folder, "qwen2", seed=1)

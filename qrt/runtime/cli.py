@@ -1,4 +1,4 @@
-"""`python -m qrt` / `qrt`: generate, eval, inspect, dump, formats, cache."""
+"""`python -m qrt` / `qrt`: generate, serve, eval, inspect, dump, formats, cache."""
 
 import argparse
 import json
@@ -74,6 +74,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
     gen.set_defaults(handler=_generate)
 
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=8, help="KV-cache slots: requests decoded together (default: 8)")
+    srv.add_argument("--max-seq-len", type=int, default=None,
+                     help="tokens per slot, prompt + output (default: 2048, or the model's context if shorter)")
+    srv.add_argument("--api-key", default=os.environ.get("QRT_API_KEY"),
+                     help="require `Authorization: Bearer KEY` on /v1 (default: $QRT_API_KEY, else none)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait for a slot; more get 503 with Retry-After (default: 64)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    srv.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens prefilled per engine step: a long prompt stalls running streams by "
+                          "one chunk at most (default: 256)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the `model` clients send (default: the checkpoint folder's name, or 'default')")
+    srv.set_defaults(handler=_serve)
+
     ev = commands.add_parser("eval", help="perplexity and bits per byte of a text, scored with a sliding window")
     add_model_args(ev)
     ev.add_argument("--text", default=None,
@@ -136,6 +155,23 @@ def _generate(args) -> int:
     print(text)
     print(f"qrt: {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / elapsed:.1f} tok/s incl. prefill)", file=sys.stderr)
     return 0
+
+
+def _serve(args) -> int:
+    from qrt.runtime.engine import DEFAULT_CHUNK
+    from qrt.server.serve import serve
+
+    if args.tp != 1:
+        raise ValueError("qrt serve runs in one process; --tp > 1 is for generate, eval, inspect and dump")
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                               ("--max-body-bytes", args.max_body_bytes, 1024), ("--prefill-chunk", args.prefill_chunk, 3)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    name = args.served_model_name or ("default" if args.path is None else Path(args.path).name)
+    return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len),
+                 model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                 max_body_bytes=args.max_body_bytes, chunk_size=args.prefill_chunk or DEFAULT_CHUNK,
+                 max_batch=args.max_batch)
 
 
 def _eval(args) -> int:

@@ -94,11 +94,13 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class Engine:
-    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK):
+    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None):
+        """tokenizer: what turns ids into text (default: the model's)."""
         if chunk_size < 3:
             raise ValueError(f"chunk_size must be at least 3 tokens, got {chunk_size}")
         self.model = model
         self.chunk_size = chunk_size
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.slots: list[Sequence | None] = [None] * model.max_batch_size
         self.waiting: deque[Sequence] = deque()
         # Longrope models (Phi-3) switch to long factors past the original context, for every
@@ -109,11 +111,14 @@ class Engine:
     # ---- what callers use -----------------------------------------------------------------------
     def submit(self, request: Request, listener=None) -> Sequence:
         """Queue a request (checked by the caller: prompt + max_tokens fit the cache)."""
-        seq = Sequence(request, listener)
+        return self.add(Sequence(request, listener))
+
+    def add(self, seq: Sequence) -> Sequence:
+        request = seq.request
         if request.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.sampling.seed)
         if request.text or request.stop_strings:
-            seq.stream = TextStream(self.model.tokenizer, request.stop_strings)
+            seq.stream = TextStream(self.tokenizer, request.stop_strings)
         self.waiting.append(seq)
         return seq
 

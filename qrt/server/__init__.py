@@ -1,0 +1,1 @@
+"""`qrt serve`: an OpenAI-compatible HTTP server with continuous batching over a CompiledModel."""

@@ -1,0 +1,104 @@
+"""The engine's own thread: it loads and compiles the model, then steps the engine while there is
+work. Every torch call of the server happens on it; the HTTP side hands requests over and gets
+each one's Updates back on its asyncio loop."""
+
+import asyncio
+import copy
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+from qrt.runtime.engine import DEFAULT_CHUNK, Engine, Request, Sequence
+
+from .metrics import Metrics
+
+
+class EngineLoop:
+    def __init__(self, load, metrics: Metrics, *, chunk_size: int = DEFAULT_CHUNK, on_fatal=None):
+        """load(): the CompiledModel, compiled and warm (runs on the engine thread).
+        on_fatal(message): called (on the engine thread) if loading fails."""
+        self._load = load
+        self.metrics = metrics
+        self.chunk_size = chunk_size
+        self._on_fatal = on_fatal
+        self.model = None
+        self.engine: Engine | None = None
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self._inbox: deque[Sequence] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name="qrt-engine", daemon=True)
+
+    # ---- the HTTP side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def queue_depth(self) -> int:
+        """Requests accepted but not yet in a slot."""
+        return len(self._inbox) + (len(self.engine.waiting) if self.engine is not None else 0)
+
+    def active_slots(self) -> int:
+        return self.engine.active if self.engine is not None else 0
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> tuple[Sequence, asyncio.Queue]:
+        """Hand a request to the engine; its Updates arrive on the returned queue, on `loop`."""
+        updates: asyncio.Queue = asyncio.Queue()
+        first = [True]
+        last_token_time = [0.0]
+
+        def listener(update):  # engine thread
+            if update.token is not None:
+                if first[0]:
+                    self.metrics.time_to_first_token.observe(update.time - seq.submitted)
+                    first[0] = False
+                else:
+                    self.metrics.inter_token_latency.observe(update.time - last_token_time[0])
+                last_token_time[0] = update.time
+                self.metrics.generated_tokens.inc()
+            if update.finish_reason is not None:
+                self.metrics.requests.labels(outcome=update.finish_reason).inc()
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        seq = Sequence(request, listener)
+        self.metrics.prompt_tokens.inc(len(request.prompt))
+        self._inbox.append(seq)
+        self._wake.set()
+        return seq, updates
+
+    def stop(self, timeout: float) -> None:
+        """Finish the requests in hand, then end the thread (waits at most `timeout` s)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.model = self._load()
+            # The engine detokenizes with a tokenizer of its own: the HTTP thread encodes prompts
+            # with the model's, and a Rust tokenizer must not be used by two threads at once.
+            tokenizer = copy.deepcopy(self.model.tokenizer)
+            self.engine = Engine(self.model, chunk_size=self.chunk_size, tokenizer=tokenizer)
+        except BaseException as err:  # noqa: BLE001  (reported, and the server shuts down)
+            self.load_error = f"{type(err).__name__}: {err}"
+            traceback.print_exc(file=sys.stderr)
+            if self._on_fatal is not None:
+                self._on_fatal(self.load_error)
+            return
+        self.ready.set()
+        engine = self.engine
+        while True:
+            while self._inbox:
+                engine.add(self._inbox.popleft())
+            if engine.has_work:
+                started = time.perf_counter()
+                engine.step()
+                self.metrics.step_seconds.observe(time.perf_counter() - started)
+            elif self._stopping:
+                return
+            else:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()

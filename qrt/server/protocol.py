@@ -1,0 +1,238 @@
+"""The OpenAI API's request bodies as qrt serves them, and its error shape.
+
+Every field the OpenAI API defines for these endpoints is known here. Fields qrt implements take
+any valid value; fields it does not implement are accepted only at the value that means "off"
+(n=1, echo=false, logprobs off, penalties 0, …), and anything else is a 400 naming the field.
+Fields the API does not define are a 400 too: nothing a client sends is silently ignored.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+def _valid_utf8(text: str, field: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{field} is not valid UTF-8 text ({err.reason} at character {err.start})") from None
+    return text
+
+
+def _only(value, allowed, field: str, why: str = "qrt does not implement it"):
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not supported ({why}); "
+                         f"leave it out or send {allowed[0]!r}")
+    return value
+
+
+class _Generation(BaseModel):
+    """The fields both endpoints share."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default: sampling
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = None  # not OpenAI's, but every open server takes it; -1 or 0: off
+    seed: int | None = None
+    stop: str | list[str | int] | None = None  # strings, and token ids (ints)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # not OpenAI's (vLLM's): run to max_tokens, for benchmarks
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for abuse tracking: recorded by nobody, changes nothing
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        return _only(v, (1,), "n", "one choice per request")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v, info):
+        return _only(v, (0.0,), info.field_name)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported (qrt does not implement it); leave it out")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is None or v in (-1, 0):
+            return None
+        if v < 1:
+            raise ValueError(f"top_k must be >= 1 (or -1 / 0 for no limit), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if v is None:
+            return v
+        items = [v] if isinstance(v, str) else v
+        if len(items) > 16:
+            raise ValueError(f"stop takes at most 16 entries, got {len(items)}")
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise ValueError("stop strings must not be empty")
+                _valid_utf8(item, "stop")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        items = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return tuple(s for s in items if isinstance(s, str))
+
+    def stop_ids(self) -> tuple[int, ...]:
+        items = [] if isinstance(self.stop, str) else (self.stop or [])
+        return tuple(i for i in items if isinstance(i, int)) + tuple(self.stop_token_ids or ())
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        return _only(v, (False,), "echo")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        return _only(v, (None,), "logprobs")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        return _only(v, (None, 1), "best_of", "one choice per request")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _only(v, (None,), "suffix")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"prompt: one prompt per request is supported, got a batch of {len(v)}")
+            v = v[0]
+        if isinstance(v, str):
+            _valid_utf8(v, "prompt")
+        if not v:
+            raise ValueError("prompt is empty; give at least one token")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _utf8(cls, v):
+        for text in [v] if isinstance(v, str) else [p.text for p in v]:
+            _valid_utf8(text, "content")
+        return v
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the KV cache
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        return _only(v, (False,), "logprobs")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        return _only(v, (None,), "top_logprobs")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v != {"type": "text"}:
+            raise ValueError(f"response_format={v!r} is not supported (qrt generates free text); "
+                             f"leave it out or send {{'type': 'text'}}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported (qrt does not implement tool calling); leave them out")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        return _only(v, (None, "none"), "tool_choice", "qrt does not implement tool calling")
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _no_parallel_tools(cls, v):
+        return _only(v, (None, False), "parallel_tool_calls", "qrt does not implement tool calling")
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,56 @@
+"""`qrt serve`: load and compile a model on the engine thread while uvicorn already answers
+(/health says 503 until the graphs are warm), then serve the OpenAI API until SIGTERM or Ctrl-C,
+which stop taking connections and let the requests in flight finish first."""
+
+import signal
+import sys
+
+from qrt.runtime.engine import DEFAULT_CHUNK
+
+
+def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queue: int = 64, max_body_bytes: int = 1 << 20, chunk_size: int = DEFAULT_CHUNK,
+          max_batch: int = 8, drain_timeout_s: float = 600) -> int:
+    """load(): the compiled, warm CompiledModel (called on the engine thread). Returns the exit code."""
+    import uvicorn
+
+    from .app import create_app
+    from .engine_loop import EngineLoop
+    from .metrics import Metrics
+
+    metrics = Metrics()
+    server_box = []
+
+    def on_fatal(message):  # the model did not load: nothing to serve
+        print(f"qrt: error: the model failed to load, shutting down: {message}", file=sys.stderr, flush=True)
+        if server_box:
+            server_box[0].should_exit = True
+
+    def load_and_announce():
+        model = load()
+        print(f"qrt: ready: serving {model_name!r} on http://{host}:{port}/v1 "
+              f"({max_batch} slots of {model.max_seq_len} tokens)", file=sys.stderr, flush=True)
+        return model
+
+    loop = EngineLoop(load_and_announce, metrics, chunk_size=chunk_size, on_fatal=on_fatal)
+    metrics.slots.set(max_batch)
+    metrics.watch(loop)
+    app = create_app(loop, model_name=model_name, api_key=api_key, max_queue=max_queue,
+                     max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=drain_timeout_s)
+    server = uvicorn.Server(config)
+    server_box.append(server)
+    print(f"qrt: listening on http://{host}:{port} (GET /health: 503 until the model is compiled)",
+          file=sys.stderr, flush=True)
+    # uvicorn drains on SIGTERM and then raises the signal again under the handler it found:
+    # this one, so that a drained server exits 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if loop.load_error is not None:
+        return 1
+    print("qrt: server stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,136 @@
+"""The continuous-batching engine in process: chunk plans, text streams with stop strings, and
+requests joining, leaving, failing and being cancelled while others run, with nothing recompiled
+and every output what the request gives alone."""
+
+import pytest
+
+from graph_checks import no_recompiles
+from qrt.runtime.engine import CANCELLED, ERROR, LENGTH, STOP, Engine, plan_chunks
+from qrt.runtime.sampling import SamplingParams
+from qrt.runtime.text_stream import TextStream
+
+SLOTS = 3  # chat_model's
+
+
+@pytest.fixture
+def model(chat_model):
+    return chat_model
+
+
+def alone(model, prompt, max_tokens, sampling=SamplingParams(), chunk=5):
+    """The request's tokens with the engine to itself."""
+    engine = Engine(model, chunk_size=chunk)
+    seq = engine.submit(model.request(prompt, max_tokens, sampling, stop_at_eos=False))
+    engine.run([seq])
+    return seq.tokens
+
+
+@pytest.mark.parametrize("length, chunk, plan", [
+    (10, 4, [(0, 4), (4, 8), (8, 10)]),
+    (9, 4, [(0, 4), (4, 7), (7, 9)]),  # no one-token chunk: the lone token joins the one before
+    (4, 4, [(0, 4)]),
+    (5, 4, [(0, 3), (3, 5)]),
+    (1, 4, [(0, 1)]),
+])
+def test_prefill_chunks_cover_the_prompt_without_one_token_chunks(length, chunk, plan):
+    assert plan_chunks(length, chunk) == plan
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it(model):
+    tokenizer = model.tokenizer
+    stream = TextStream(tokenizer, ("lo w",))
+    shown = [stream.add(i) for i in tokenizer.encode("hello world", add_special_tokens=False)]
+    # Each "l", then "lo", "lo " may begin "lo w": held back until the text shows it does not;
+    # "hello w" has it, so the text ends before it, and the rest of the input is not taken.
+    assert shown == ["h", "e", "", "l", "", "", "", "", "", "", ""] and stream.stopped and stream.text == "hel"
+    # A character of two bytes (two byte-level tokens) shows up whole, once complete.
+    stream = TextStream(tokenizer)
+    assert [stream.add(i) for i in tokenizer.encode("é!", add_special_tokens=False)] == ["", "é", "!"]
+    assert stream.flush() == ""
+
+
+def test_churn_of_requests_matches_each_alone_without_recompiles(model):
+    prompts = [[7], [3, 4], [9, 10, 11], list(range(20, 27)), list(range(40, 52)), [5] * 5,
+               list(range(60, 77)), [1, 2, 3, 4], list(range(100, 109))]
+    max_tokens = [6, 11, 4, 9, 3, 14, 5, 8, 10]
+    sampled = {2: SamplingParams(0.9, top_k=40, seed=11), 5: SamplingParams(1.0, top_p=0.8, seed=5)}
+    params = [sampled.get(i, SamplingParams()) for i in range(len(prompts))]
+    expected = [alone(model, p, n, s) for p, n, s in zip(prompts, max_tokens, params)]
+    engine = Engine(model, chunk_size=5)
+    with no_recompiles():
+        sequences = [engine.submit(model.request(p, n, s, stop_at_eos=False))
+                     for p, n, s in zip(prompts[:4], max_tokens, params)]
+        engine.step()
+        engine.step()
+        for p, n, s in zip(prompts[4:], max_tokens[4:], params[4:]):  # later arrivals join running ones
+            sequences.append(engine.submit(model.request(p, n, s, stop_at_eos=False)))
+            engine.step()
+        engine.run(sequences)
+    assert [seq.tokens for seq in sequences] == expected
+    assert all(seq.finish_reason == LENGTH for seq in sequences)
+    assert not engine.has_work and engine.active == 0
+    # The default chunk (the whole of these prompts at once) gives the same greedy tokens.
+    assert model.generate(prompts[6], max_new_tokens=5, stop_at_eos=False) == expected[6]
+
+
+def test_a_long_prompt_stalls_running_streams_by_one_chunk_at_most(model, monkeypatch):
+    engine = Engine(model, chunk_size=8)
+    running = engine.submit(model.request([5, 6, 7], 30, SamplingParams(), stop_at_eos=False))
+    engine.step()
+    prefilled = []
+    real = model.prefill_chunk
+    monkeypatch.setattr(model, "prefill_chunk", lambda tokens, *a: prefilled.append(len(tokens)) or real(tokens, *a))
+    long = engine.submit(model.request(list(range(30, 90)), 4, SamplingParams(), stop_at_eos=False))
+    while not long.tokens:
+        before, prefilled[:] = len(running.tokens), []
+        engine.step()
+        assert sum(prefilled) <= 8, prefilled
+        assert len(running.tokens) == before + 1  # the running stream got its token this step too
+    engine.run([running, long])
+    monkeypatch.undo()
+    assert long.tokens == alone(model, list(range(30, 90)), 4, chunk=8)
+
+
+def test_one_request_failing_leaves_the_others_untouched(model):
+    engine = Engine(model, chunk_size=5)
+    prompts = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
+    sequences = [engine.submit(model.request(p, 8, SamplingParams(), stop_at_eos=False, text=True)) for p in prompts]
+
+    def broken(token_id):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer fault")
+
+    sequences[1].stream.add = broken
+    engine.run(sequences)
+    assert sequences[1].finish_reason == ERROR and isinstance(sequences[1].error, UnicodeDecodeError)
+    assert [sequences[0].tokens, sequences[2].tokens] == [alone(model, prompts[0], 8), alone(model, prompts[2], 8)]
+    assert engine.active == 0
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_step(model):
+    engine = Engine(model, chunk_size=5)
+    sequences = [engine.submit(model.request([i + 1, i + 2], 40, SamplingParams(), stop_at_eos=False))
+                 for i in range(SLOTS + 1)]
+    engine.step()
+    assert engine.active == SLOTS and len(engine.waiting) == 1
+    sequences[0].cancel()
+    engine.step()
+    assert sequences[0].finish_reason == CANCELLED and sequences[3].slot is not None and not engine.waiting
+    for seq in sequences:
+        seq.cancel()
+    engine.step()
+    assert engine.active == 0 and not engine.has_work
+
+
+def test_stop_strings_and_stop_ids_end_a_request(model):
+    free = model.generate("abc", max_new_tokens=12, stop_at_eos=False)
+    ids = alone(model, model.encode("abc"), 12, chunk=256)
+    # Two characters from the middle of the output, each one or more byte-level tokens: the stop
+    # string spans token boundaries.
+    start = next(i for i in range(1, len(free) - 1) if "\ufffd" not in free[i:i + 2])
+    stop = free[start:start + 2]
+    assert model.generate("abc", max_new_tokens=12, stop_at_eos=False, stop=[stop]) == free[:free.index(stop)]
+    engine = model.engine
+    seq = engine.submit(model.request(model.encode("abc"), 12, SamplingParams(), stop_at_eos=False,
+                                      stop_ids=[ids[4]]))
+    engine.run([seq])
+    assert seq.tokens == ids[:ids.index(ids[4]) + 1] and seq.finish_reason == STOP

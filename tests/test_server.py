@@ -1,0 +1,305 @@
+"""`qrt serve` as users run it: a real server process on a free localhost port, driven by the
+openai client (and raw HTTP where the client would refuse to send something). Every output is
+checked against the same model's `generate` in this process."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx  # the HTTP client the openai package is built on
+import openai
+import pytest
+
+from qrt.runtime.sampling import SamplingParams
+
+KEY = "test-key"
+NAME = "tiny-chat"
+SLOTS, MAX_SEQ_LEN, MAX_QUEUE = 4, 512, 8
+START_TIMEOUT_S = 300  # a cold compile of the tiny model under a loaded CI machine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, folder, log_path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.health_codes = []
+        command = [sys.executable, "-m", "qrt", "serve", str(folder), "--port", str(self.port),
+                   "--max-batch", str(SLOTS), "--max-seq-len", str(MAX_SEQ_LEN), "--max-queue", str(MAX_QUEUE),
+                   "--api-key", KEY, "--served-model-name", NAME]
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                code = httpx.get(f"{self.url}/health", timeout=5).status_code
+            except httpx.TransportError:
+                code = None
+            if code is not None:
+                self.health_codes.append(code)
+            if code == 200:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not ready within {START_TIMEOUT_S} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(qrt_[^\s#]+) ([0-9.e+-]+)$", text, re.M)}
+
+    def wait_metrics(self, check, timeout: float = 15) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.metrics()
+            if check(values) or time.monotonic() > deadline:
+                return values
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(chat_llama_dir, tmp_path_factory):
+    srv = Server(chat_llama_dir, tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def expected(model, prompt_ids, max_tokens, stop=()) -> tuple[str, int, str]:
+    """(text, completion tokens, finish reason) of the request alone, greedy, in this process."""
+    engine = model.engine
+    seq = engine.submit(model.request(prompt_ids, max_tokens, SamplingParams(), stop_strings=tuple(stop), text=True))
+    engine.run([seq])
+    return seq.text, len(seq.tokens), seq.finish_reason
+
+
+def _outcome(values, outcome):
+    return values.get(f'qrt_requests_total{{outcome="{outcome}"}}', 0.0)
+
+
+def test_health_is_503_until_compiled_then_models_and_metrics_answer(server, client):
+    assert 503 in server.health_codes and server.health_codes[-1] == 200
+    assert [m.id for m in client.models.list().data] == [NAME]
+    values = server.metrics()
+    assert values["qrt_slots"] == SLOTS and values["qrt_active_slots"] == 0 and values["qrt_queue_depth"] == 0
+
+
+def test_completion_and_chat_give_what_generate_gives(client, chat_model):
+    prompt = "The capital of France is"
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    text, tokens, reason = expected(chat_model, chat_model.encode(prompt), 12)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (text, reason)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(chat_model.encode(prompt)), tokens)
+    assert out.choices[0].text == chat_model.generate(prompt, 12)
+
+    ids = [72, 101, 108, 108, 111]
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=7, temperature=0)
+    assert out.choices[0].text == expected(chat_model, ids, 7)[0]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=10, temperature=0)
+    text, tokens, reason = expected(chat_model, chat_model.encode_messages(messages), 10)
+    assert (chat.choices[0].message.role, chat.choices[0].message.content) == ("assistant", text)
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (tokens, reason)
+
+
+def test_streams_send_the_same_text_in_pieces_then_usage_and_done(server, client, chat_model):
+    prompt = "Once upon a time"
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=14, temperature=0)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=14, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert all(c.usage is None for c in chunks)  # usage only when stream_options asks for it
+    # The wire format itself: server-sent events ending in [DONE].
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": NAME, "prompt": "x", "max_tokens": 3, "stream": True}, timeout=60) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_stop_strings_across_token_boundaries_and_stop_token_ids(client, chat_model):
+    prompt = "abc"
+    free = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0).choices[0].text
+    start = next(i for i in range(1, len(free) - 2) if "\ufffd" not in free[i:i + 3])
+    stop = free[start:start + 3]  # three characters: three byte-level tokens or more
+    for stream in (False, True):
+        reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stop=[stop],
+                                          stream=stream)
+        if stream:
+            chunks = list(reply)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = reply.choices[0].text, reply.choices[0].finish_reason
+        assert (text, reason) == (free[:free.index(stop)], "stop")
+    ids = chat_model.generate(chat_model.encode(prompt), 20, stop_at_eos=False)
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
+                                    extra_body={"stop_token_ids": [ids[5]]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == ids.index(ids[5]) + 1
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    (dict(n=2), "n", "n=2 is not supported"),
+    (dict(logprobs=2), "logprobs", "logprobs=2 is not supported"),
+    (dict(echo=True), "echo", "echo=True is not supported"),
+    (dict(presence_penalty=0.5), "presence_penalty", "presence_penalty=0.5 is not supported"),
+    (dict(extra_body={"frobnicate": 1}), "frobnicate", "unknown field 'frobnicate'"),
+    (dict(max_tokens=600), "max_tokens", "+ max_tokens (600) = 60"),
+    (dict(prompt=[5, 999]), "prompt", "token ids must be in [0, 300)"),
+    (dict(stream_options={"include_usage": True}), None, "stream_options is only allowed with stream=true"),
+    (dict(temperature=3), "temperature", "less than or equal to 2"),
+])
+def test_unsupported_or_invalid_fields_are_400s_that_name_them(client, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**{"model": NAME, "prompt": "hello", "max_tokens": 4, **fields})
+    error = caught.value.body
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_other_errors_have_the_openai_shape(server, client):
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny-chat'"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="messages.0.role"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "x"}], max_tokens=2)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    raw = httpx.post(f"{server.url}/v1/completions", headers=headers, content=b'{"model": ', timeout=30)
+    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    big = json.dumps({"model": NAME, "prompt": "a" * (2 << 20)})
+    raw = httpx.post(f"{server.url}/v1/completions", headers=headers, content=big, timeout=30)
+    assert raw.status_code == 413 and raw.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_bad_utf8_stop_string_fails_alone(server, client, chat_model):
+    # A lone surrogate is valid JSON but no UTF-8 text; the openai client cannot even send it.
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 4, "stop": ["\\ud800"]}' % NAME.encode()
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(client.completions.create, model=NAME, prompt=f"story {i}", max_tokens=24, temperature=0)
+                for i in range(3)]
+        bad = [httpx.post(f"{server.url}/v1/completions", headers=headers, content=body, timeout=30) for _ in range(3)]
+        good = [f.result().choices[0].text for f in good]
+    assert all(r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"] for r in bad)
+    assert good == [expected(chat_model, chat_model.encode(f"story {i}"), 24)[0] for i in range(3)]
+
+
+def test_api_key_is_required_on_v1_but_not_for_health(server):
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    raw = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "x"}, timeout=30)
+    assert raw.status_code == 401 and raw.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_eight_concurrent_clients_each_get_what_they_get_alone(client, chat_model):
+    # Lengths from one token to past the 256-token prefill chunk; more clients than slots.
+    prompts = ["x", "Hello", "The quick brown fox", "a" * 40, "lorem ipsum " * 8, "Q: 2+2? A:", "z" * 300, "end"]
+    limits = [20, 9, 31, 14, 25, 40, 12, 17]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client.completions.create, model=NAME, prompt=p, max_tokens=n, temperature=0)
+                   for p, n in zip(prompts, limits)]
+        got = [(f.result().choices[0].text, f.result().usage.completion_tokens) for f in futures]
+    assert got == [expected(chat_model, chat_model.encode(p), n)[:2] for p, n in zip(prompts, limits)]
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": "go", "max_tokens": MAX_SEQ_LEN - 8, "temperature": 0, "ignore_eos": True}
+    before = _outcome(server.metrics(), "cancelled")
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=headers, json={**body, "stream": True},
+                      timeout=60) as reply:
+        lines = reply.iter_lines()
+        next(lines), next(lines)  # the stream is running; now hang up
+    values = server.wait_metrics(lambda v: _outcome(v, "cancelled") >= before + 1 and v["qrt_active_slots"] == 0)
+    assert _outcome(values, "cancelled") == before + 1 and values["qrt_active_slots"] == 0
+    with pytest.raises(httpx.ReadTimeout):  # not streaming: the client gives up waiting
+        httpx.post(f"{server.url}/v1/completions", headers=headers, json=body, timeout=0.5)
+    values = server.wait_metrics(lambda v: _outcome(v, "cancelled") >= before + 2 and v["qrt_active_slots"] == 0)
+    assert _outcome(values, "cancelled") == before + 2 and values["qrt_active_slots"] == 0
+
+
+def test_a_full_queue_is_a_503_with_retry_after(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": "wait", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(SLOTS + MAX_QUEUE + 4) as pool:
+        replies = list(pool.map(lambda _: httpx.post(f"{server.url}/v1/completions", headers=headers, json=body,
+                                                     timeout=120), range(SLOTS + MAX_QUEUE + 4)))
+    refused = [r for r in replies if r.status_code == 503]
+    assert refused and all(r.headers.get("retry-after") == "1" and "queue is full" in r.json()["error"]["message"]
+                           for r in refused)
+    assert all(r.status_code == 200 for r in replies if r not in refused)
+    values = server.wait_metrics(lambda v: v["qrt_active_slots"] == 0 and v["qrt_queue_depth"] == 0)
+    assert values["qrt_active_slots"] == 0 and values["qrt_queue_depth"] == 0
+
+
+def test_sigterm_lets_the_running_stream_finish_then_exits(server):
+    """Last in this module: it stops the module's server."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    lines, started = [], threading.Event()
+
+    def stream():
+        body = {"model": NAME, "prompt": "drain", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", headers=headers, json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    os.killpg(server.process.pid, signal.SIGTERM)
+    at_signal = len(lines)
+    reader.join(120)
+    assert server.process.wait(60) == 0
+    assert len(lines) > at_signal + 20  # the stream went on after the signal
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert "server stopped" in server.output()
