@@ -1,0 +1,388 @@
+"""Load on `qrt serve`: concurrent streaming clients with mixed prompt lengths, in one run.
+
+    python bench/serve_load.py                                  # the default model, bf16
+    python bench/serve_load.py --levels 1,8 --duration 20 --soak 0
+    python bench/serve_load.py PATH --quant int4 --json bench/results/serve_load.json
+
+It starts `qrt serve` (a fresh process on a free localhost port), then for each level of
+concurrency runs that many clients for --duration seconds. Each client sends completions one
+after another, streamed, greedy, with a prompt from the eval text of a length drawn from
+--prompt-tokens and --max-tokens new tokens. Per level it reports:
+- output tok/s: completion tokens of every request / the time from the start to the last one's end
+  (no request starts after --duration; those running then finish);
+- TTFT p50/p99: from sending a request to its first text;
+- ITL p50/p99: between consecutive text chunks of one request (one chunk is one token unless a
+  character spans tokens);
+- failures: any status but 200, a stream without [DONE], or a transport error.
+Then a soak (--soak seconds, --soak-clients clients) in which about --cancel-rate of the requests
+are abandoned on purpose: streams closed after a few chunks, or non-streaming requests whose client
+stops waiting. It counts failures among the rest, and reads /metrics afterwards: every slot must
+be free and the queue empty.
+
+When llama-cpp-python's server is importable (`pip install 'llama-cpp-python[server]'`, see
+`make llama-cpp`), the same levels run against `python -m llama_cpp.server` on the default model's
+GGUF in the same precision; otherwise that is skipped with a note. Every figure comes from this run.
+The clients share the machine with the server: on a small machine they take some of its CPU.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx  # the openai package's HTTP client, installed with the test extra
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.measure import machine_state, print_machine_state, print_table  # noqa: E402
+
+TARGETS = {"throughput_8_vs_1": 4.0, "ttft_p99_at_8_s": 2.0}
+READY_TIMEOUT_S = 900
+EVAL_TEXT = ROOT / "qrt" / "runtime" / "data" / "eval_text.txt"
+CHARS_PER_TOKEN = 4  # English text in SmolLM2's tokenizer, near enough to pick prompt lengths
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--quant", default=None, help="online quantization, as for qrt serve (default: bf16 as stored)")
+    parser.add_argument("--levels", default="1,4,8,16", help="concurrent clients per level (default: 1,4,8,16)")
+    parser.add_argument("--duration", type=float, default=30, help="seconds per level (default: 30)")
+    parser.add_argument("--prompt-tokens", default="16,64,256", help="prompt lengths drawn from (default: 16,64,256)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: 64)")
+    parser.add_argument("--max-batch", type=int, default=8, help="the server's slots (default: 8, as qrt serve)")
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--soak", type=float, default=300, help="soak seconds, 0 to skip (default: 300)")
+    parser.add_argument("--soak-clients", type=int, default=8)
+    parser.add_argument("--cancel-rate", type=float, default=0.25)
+    parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp even when it is installed")
+    parser.add_argument("--json", default=None, help="write the report here")
+    return parser.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in its own process group, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, command: list[str], port: int, ready_path: str, log_path: Path, env=None):
+        self.url, self.ready_path, self.log_path = f"http://127.0.0.1:{port}", ready_path, log_path
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=env)
+
+    def wait_ready(self) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < READY_TIMEOUT_S:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.process.returncode}); log: {self.log_path}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=5).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the server was not ready within {READY_TIMEOUT_S} s; log: {self.log_path}")
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()
+        return self.process.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def prompts(lengths: list[int], seed: int):
+    """Endless prompts from the eval text, each of a length drawn from `lengths` (in tokens,
+    approximately), starting at a random place."""
+    text = EVAL_TEXT.read_text(encoding="utf-8")
+    rng = random.Random(seed)
+    while True:
+        size = rng.choice(lengths) * CHARS_PER_TOKEN
+        start = rng.randrange(0, len(text) - size)
+        yield text[start:start + size]
+
+
+class Client:
+    """One client: requests back to back until `stop_at`. Records each request's outcome."""
+
+    def __init__(self, url: str, model: str, lengths, max_tokens: int, seed: int, stop_at: float,
+                 cancel_rate: float = 0.0):
+        self.url, self.model, self.max_tokens, self.stop_at = url, model, max_tokens, stop_at
+        self.prompts = prompts(lengths, seed)
+        self.rng = random.Random(seed + 1)
+        self.cancel_rate = cancel_rate
+        self.records: list[dict] = []
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with httpx.Client(timeout=300) as http:
+            while time.monotonic() < self.stop_at:
+                prompt = next(self.prompts)
+                if self.rng.random() < self.cancel_rate:
+                    self.records.append(self.abandon(http, prompt))
+                else:
+                    self.records.append(self.stream(http, prompt))
+
+    def body(self, prompt: str, stream: bool) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def stream(self, http, prompt: str) -> dict:
+        record = {"sent": time.monotonic(), "ok": False, "chunks": [], "tokens": None}
+        try:
+            with http.stream("POST", self.url + "/v1/completions", json=self.body(prompt, True)) as reply:
+                record["status"] = reply.status_code
+                if reply.status_code != 200:
+                    record["error"] = reply.read().decode(errors="replace")[:200]
+                    return record
+                for line in reply.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        record["ok"] = True
+                        break
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        record["chunks"].append(time.monotonic())
+                    if chunk.get("usage"):
+                        record["tokens"] = chunk["usage"]["completion_tokens"]
+        except httpx.HTTPError as err:
+            record["error"] = f"{type(err).__name__}: {err}"
+        record["done"] = time.monotonic()
+        if record["tokens"] is None:  # a server that does not send usage: one chunk per token
+            record["tokens"] = len(record["chunks"])
+        return record
+
+    def abandon(self, http, prompt: str) -> dict:
+        """A request given up on purpose: a stream closed after a few chunks, or a whole
+        completion waited for only briefly."""
+        record = {"sent": time.monotonic(), "abandoned": True}
+        try:
+            if self.rng.random() < 0.5:
+                after = self.rng.randint(1, 20)
+                with http.stream("POST", self.url + "/v1/completions", json=self.body(prompt, True)) as reply:
+                    record["status"] = reply.status_code
+                    for i, _ in enumerate(reply.iter_lines()):
+                        if i >= after:
+                            break
+            else:
+                record["status"] = http.post(self.url + "/v1/completions", json=self.body(prompt, False),
+                                             timeout=self.rng.uniform(0.2, 2.0)).status_code
+        except httpx.TimeoutException:
+            record["status"] = "gave up"
+        except httpx.HTTPError as err:
+            record["error"] = f"{type(err).__name__}: {err}"
+        return record
+
+
+def run_clients(url: str, model: str, count: int, seconds: float, args, seed: int, cancel_rate: float = 0.0):
+    start = time.monotonic()
+    clients = [Client(url, model, args.lengths, args.max_tokens, seed + 7919 * i, start + seconds, cancel_rate)
+               for i in range(count)]
+    for client in clients:
+        client.thread.start()
+    for client in clients:
+        client.thread.join(seconds + 600)
+    return [r for c in clients for r in c.records], start, start + seconds
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def summarize(records: list[dict], start: float, end: float) -> dict:
+    measured = [r for r in records if not r.get("abandoned")]
+    failed = [r for r in measured if not r.get("ok")]
+    # Clients start no request after `end`; the ones running then finish. Throughput: every
+    # finished request's tokens over the time from the start to the last of them.
+    finished = [r for r in measured if r.get("ok")]
+    window = max([end] + [r["done"] for r in finished]) - start
+    ttft = [r["chunks"][0] - r["sent"] for r in measured if r.get("ok") and r["chunks"]]
+    itl = [b - a for r in measured if r.get("ok") for a, b in zip(r["chunks"], r["chunks"][1:])]
+    return {
+        "requests": len(measured), "window_s": window, "failures": len(failed),
+        "failure_examples": [r.get("error") or r.get("status") for r in failed[:3]],
+        "output_tok_s": sum(r["tokens"] for r in finished) / window,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+    }
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(qrt_[^\s#]+) ([0-9.e+-]+)$", text, re.M)}
+
+
+def load_levels(url: str, model: str, args, engine: str) -> list[dict]:
+    run_clients(url, model, 1, 0.1, args, seed=1)  # one untimed request: first-call costs out of the way
+    rows = []
+    for level in args.level_list:
+        print(f"[serve_load] {engine}: {level} clients for {args.duration:.0f} s", file=sys.stderr, flush=True)
+        records, start, end = run_clients(url, model, level, args.duration, args, seed=100 * level)
+        rows.append({"engine": engine, "clients": level, **summarize(records, start, end)})
+    return rows
+
+
+def soak(url: str, model: str, args) -> dict:
+    print(f"[serve_load] soak: {args.soak_clients} clients for {args.soak:.0f} s, about "
+          f"{args.cancel_rate:.0%} of requests abandoned", file=sys.stderr, flush=True)
+    before = metrics(url)
+    records, start, end = run_clients(url, model, args.soak_clients, args.soak, args, seed=999,
+                                      cancel_rate=args.cancel_rate)
+    deadline = time.monotonic() + 30
+    after = metrics(url)
+    while (after["qrt_active_slots"] or after["qrt_queue_depth"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = metrics(url)
+    abandoned = [r for r in records if r.get("abandoned")]
+    summary = summarize(records, start, end)
+    outcomes = {k.split('"')[1]: v - before.get(k, 0) for k, v in after.items() if k.startswith("qrt_requests_total")}
+    return {"seconds": args.soak, "clients": args.soak_clients, "abandoned": len(abandoned),
+            "abandoned_errors": [r["error"] for r in abandoned if r.get("error")][:3],
+            "requests": summary["requests"], "failures": summary["failures"],
+            "failure_examples": summary["failure_examples"], "outcomes_from_metrics": outcomes,
+            "active_slots_after": after["qrt_active_slots"], "queue_depth_after": after["qrt_queue_depth"],
+            "slots": after["qrt_slots"]}
+
+
+def qrt_server(args, log_dir: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "qrt", "serve", *([args.model] if args.model else []),
+               "--port", str(port), "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
+               "--max-queue", "256", "--served-model-name", "bench"]
+    if args.quant:
+        command += ["--quant", args.quant]
+    return ServerProcess(command, port, "/health", log_dir / "qrt-serve.log"), "bench"
+
+
+def peer_gguf(args) -> tuple[Path | None, str]:
+    """The default model's GGUF in the precision qrt serves, or why there is none."""
+    if args.model is not None:
+        return None, "llama.cpp runs only on the default model here (its GGUF ships with it)"
+    from bench.gguf_variants import default_model_ggufs
+
+    wanted = {None: "BF16", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}.get(args.quant)
+    for gguf in default_model_ggufs():
+        if wanted and wanted in gguf.name:
+            return gguf, ""
+    return None, f"no {wanted or args.quant} GGUF of the default model to compare with"
+
+
+def llama_cpp_server(gguf: Path, args, log_dir: Path) -> ServerProcess:
+    port = free_port()
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", str(args.max_seq_len), "--n_threads", str(os.cpu_count() or 1),
+               "--model_alias", "bench"]
+    return ServerProcess(command, port, "/v1/models", log_dir / "llama-cpp-server.log")
+
+
+def print_report(report: dict) -> None:
+    rows = []
+    for row in report["levels"]:
+        def ms(v):
+            return "-" if v is None else f"{v * 1000:.0f}"
+        rows.append((row["engine"], str(row["clients"]), f"{row['output_tok_s']:.1f}", ms(row["ttft_p50_s"]),
+                     ms(row["ttft_p99_s"]), ms(row["itl_p50_s"]), ms(row["itl_p99_s"]), str(row["requests"]),
+                     str(row["failures"])))
+    print_table(("engine", "clients", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                 "requests", "failures"), rows)
+    for check, verdict in report["targets"].items():
+        print(f"target {check}: {verdict}")
+    if report.get("soak"):
+        s = report["soak"]
+        print(f"soak: {s['requests']} measured requests + {s['abandoned']} abandoned over {s['seconds']:.0f} s with "
+              f"{s['clients']} clients: {s['failures']} failures; afterwards {s['active_slots_after']:.0f} of "
+              f"{s['slots']:.0f} slots busy, queue {s['queue_depth_after']:.0f}; outcomes {s['outcomes_from_metrics']}")
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
+def judge(report: dict) -> dict:
+    qrt = {row["clients"]: row for row in report["levels"] if row["engine"] == "qrt"}
+    verdicts = {}
+    if 1 in qrt and 8 in qrt and qrt[1]["output_tok_s"]:
+        ratio = qrt[8]["output_tok_s"] / qrt[1]["output_tok_s"]
+        verdicts["throughput 8 clients / 1 client ≥ 4"] = f"{ratio:.2f}× ({'met' if ratio >= 4 else 'MISSED'})"
+    if 8 in qrt and qrt[8]["ttft_p99_s"] is not None:
+        p99 = qrt[8]["ttft_p99_s"]
+        verdicts["TTFT p99 at 8 clients ≤ 2 s"] = f"{p99:.2f} s ({'met' if p99 <= 2 else 'MISSED'})"
+    soak_result = report.get("soak")
+    if soak_result:
+        clean = soak_result["failures"] == 0 and soak_result["active_slots_after"] == 0 \
+            and soak_result["queue_depth_after"] == 0
+        verdicts["soak: no failures, every slot free"] = "met" if clean else "MISSED"
+    return verdicts
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.level_list = [int(x) for x in args.levels.split(",")]
+    args.lengths = [int(x) for x in args.prompt_tokens.split(",")]
+    log_dir = ROOT / "bench" / "results"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    state = machine_state()
+    print_machine_state(state)
+    report = {"machine": state, "args": {k: v for k, v in vars(args).items() if k != "lengths"},
+              "levels": [], "notes": []}
+    server, name = qrt_server(args, log_dir)
+    with server:
+        report["qrt_ready_s"] = server.wait_ready()
+        report["levels"] += load_levels(server.url, name, args, "qrt")
+        if args.soak > 0:
+            report["soak"] = soak(server.url, name, args)
+    report["qrt_exit_code_after_sigterm"] = server.process.returncode
+    if args.no_peer:
+        report["notes"].append("llama.cpp skipped (--no-peer)")
+    elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
+        report["notes"].append("llama.cpp skipped: llama-cpp-python[server] is not installed (`make llama-cpp`, "
+                               "then `pip install 'llama-cpp-python[server]'`)")
+    else:
+        gguf, why = peer_gguf(args)
+        if gguf is None:
+            report["notes"].append(f"llama.cpp skipped: {why}")
+        else:
+            with llama_cpp_server(gguf, args, log_dir) as peer:
+                peer.wait_ready()
+                report["levels"] += load_levels(peer.url, "bench", args, "llama.cpp")
+            report["notes"].append(f"llama.cpp: python -m llama_cpp.server on {gguf.name}")
+    report["targets"] = judge(report)
+    print_report(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""bench/serve_load.py end to end on the tiny chat Llama: a real server, two levels, a short soak
+with abandoned requests, the table and the JSON. Tiny sizes measure nothing; the test checks that
+every figure is there, nothing failed, and the soak left every slot free."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.bench  # about a minute: `make test-bench`, which CI runs after `make test`
+def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
+    report_path = tmp_path / "serve_load.json"
+    result = subprocess.run([sys.executable, "bench/serve_load.py", str(chat_llama_dir), "--levels", "1,2",
+                             "--duration", "3", "--prompt-tokens", "8,40", "--max-tokens", "12", "--max-batch", "2",
+                             "--max-seq-len", "256", "--soak", "6", "--soak-clients", "3", "--cancel-rate", "0.5",
+                             "--no-peer", "--json", str(report_path)],
+                            cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "output tok/s" in result.stdout and "soak:" in result.stdout, result.stdout
+    report = json.loads(report_path.read_text())
+    assert [row["clients"] for row in report["levels"]] == [1, 2]
+    for row in report["levels"]:
+        assert row["failures"] == 0 and row["requests"] >= 1 and row["output_tok_s"] > 0, row
+        assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] > 0
+    soak = report["soak"]
+    assert soak["failures"] == 0 and soak["abandoned"] >= 1, soak
+    assert soak["active_slots_after"] == 0 and soak["queue_depth_after"] == 0
+    assert report["qrt_exit_code_after_sigterm"] == 0
+    assert "llama.cpp skipped (--no-peer)" in report["notes"]
