@@ -51,8 +51,9 @@ def chat_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_model(chat_llama_dir):
-    """chat_llama_dir compiled with three KV-cache slots of 512 tokens."""
-    return runtime.compile_model(chat_llama_dir, progress=False, max_seq_len=512, max_batch_size=3)
+    """chat_llama_dir compiled with four KV-cache slots of 512 tokens: what tests/test_server.py
+    serves, so that its server process finds these graphs in the run's compile cache."""
+    return runtime.compile_model(chat_llama_dir, progress=False, max_seq_len=512, max_batch_size=4)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from qrt.runtime.engine import CANCELLED, ERROR, LENGTH, STOP, Engine, plan_chun
 from qrt.runtime.sampling import SamplingParams
 from qrt.runtime.text_stream import TextStream
 
-SLOTS = 3  # chat_model's
+SLOTS = 4  # chat_model's
 
 
 @pytest.fixture

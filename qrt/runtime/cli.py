@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def add_model_args(sub):
-        sub.add_argument("path", nargs="?", default=None,
-                         help="Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+        sub.add_argument("path", nargs="?", default=None, type=_model_path,
+                         help="Hugging Face checkpoint folder, or `default` (the default: the embedded "
+                              "SmolLM2-135M-Instruct)")
         sub.add_argument("--quant", default=None,
                          help=f"online quantization for a bf16 checkpoint: {', '.join(online_formats())} "
                               f"(default: as stored; `qrt formats` lists every format)")
@@ -125,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=("list", "clear"))
     cache.set_defaults(handler=_cache)
     return parser
+
+
+def _model_path(text: str) -> str | None:
+    """The word `default` names the embedded model (None to compile_model); a folder called
+    default is still reachable as ./default."""
+    return None if text == "default" else text
 
 
 def _compile(args, path=None, **kwargs):

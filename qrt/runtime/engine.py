@@ -152,6 +152,11 @@ class Engine:
         for (seq, _), token in zip(sampled, tokens.tolist()):
             self._guarded(seq, self._accept, seq, token, now)
 
+    def fail_all(self, err: BaseException) -> None:
+        """End every request in hand with `err` (the caller's step failed outside any one request)."""
+        for seq in [s for s in self.slots if s is not None] + list(self.waiting):
+            self._fail(seq, err)
+
     # ---- scheduling -------------------------------------------------------------------------------
     def _admit(self) -> None:
         for slot, held in enumerate(self.slots):

@@ -95,7 +95,11 @@ class EngineLoop:
                 engine.add(self._inbox.popleft())
             if engine.has_work:
                 started = time.perf_counter()
-                engine.step()
+                try:
+                    engine.step()
+                except Exception as err:  # noqa: BLE001  (a fault outside any one request: end those in hand, go on)
+                    traceback.print_exc(file=sys.stderr)
+                    engine.fail_all(err)
                 self.metrics.step_seconds.observe(time.perf_counter() - started)
             elif self._stopping:
                 return
