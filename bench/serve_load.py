@@ -21,7 +21,8 @@ be free and the queue empty.
 
 When llama-cpp-python's server is importable (`pip install 'llama-cpp-python[server]'`, see
 `make llama-cpp`), the same levels run against `python -m llama_cpp.server` on the default model's
-GGUF in the same precision; otherwise that is skipped with a note. Every figure comes from this run.
+GGUF in the same precision (with --interrupt_requests False: its default ends a running request
+when another arrives); otherwise that is skipped with a note. Every figure comes from this run.
 The clients share the machine with the server: on a small machine they take some of its CPU.
 """
 
@@ -303,7 +304,10 @@ def llama_cpp_server(gguf: Path, args, log_dir: Path) -> ServerProcess:
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(args.max_seq_len), "--n_threads", str(os.cpu_count() or 1),
-               "--model_alias", "bench"]
+               "--model_alias", "bench",
+               # Its default lets every new request interrupt the running one (ending it after a
+               # token or two); off, requests wait their turn, which is how it serves many clients.
+               "--interrupt_requests", "False"]
     return ServerProcess(command, port, "/v1/models", log_dir / "llama-cpp-server.log")
 
 
