@@ -44,16 +44,16 @@ def chat_llama_dir(tmp_path_factory):
     from tiny_tokenizer import write_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-chat-llama")
-    make_checkpoint(folder, "llama", seed=3, max_position_embeddings=1024)
+    make_checkpoint(folder, "llama", seed=3, max_position_embeddings=2048)
     write_tokenizer(folder)
     return folder
 
 
 @pytest.fixture(scope="session")
 def chat_model(chat_llama_dir):
-    """chat_llama_dir compiled with four KV-cache slots of 512 tokens: what tests/test_server.py
+    """chat_llama_dir compiled with four KV-cache slots of 2048 tokens: what tests/test_server.py
     serves, so that its server process finds these graphs in the run's compile cache."""
-    return runtime.compile_model(chat_llama_dir, progress=False, max_seq_len=512, max_batch_size=4)
+    return runtime.compile_model(chat_llama_dir, progress=False, max_seq_len=2048, max_batch_size=4)
 
 
 @pytest.fixture(scope="session")

@@ -157,17 +157,23 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         return await _whole(seq, updates, reply, request)
 
     async def _whole(seq, updates: asyncio.Queue, reply: "_Reply", request: Request):
+        clock = asyncio.get_running_loop().time
+        next_check = clock() + DISCONNECT_POLL_S
         try:
             while True:
+                # Tokens may come faster than the poll interval: the check goes by the clock,
+                # not by a quiet spell.
                 try:
-                    update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                    update = await asyncio.wait_for(updates.get(), max(0.0, next_check - clock()))
                 except asyncio.TimeoutError:
+                    update = None
+                if update is not None and update.finish_reason is not None:
+                    break
+                if clock() >= next_check:
                     if await request.is_disconnected():
                         seq.cancel()  # the slot is freed at the engine's next step
                         return Response(status_code=499)
-                    continue
-                if update.finish_reason is not None:
-                    break
+                    next_check = clock() + DISCONNECT_POLL_S
         except BaseException:
             seq.cancel()
             raise
