@@ -30,11 +30,25 @@ def _valid_utf8(text: str, field: str) -> str:
     return text
 
 
-def _only(value, allowed, field: str, why: str = "qrt does not implement it"):
-    if value not in allowed:
-        raise ValueError(f"{field}={value!r} is not supported ({why}); "
-                         f"leave it out or send {allowed[0]!r}")
-    return value
+# Fields the OpenAI API defines that qrt does not implement: the values that mean "off" (the first
+# is the one to send), and why another value cannot be honoured.
+_NOT_IMPLEMENTED = "qrt does not implement it"
+_NO_TOOLS = "qrt does not implement tool calling"
+OFF_ONLY = {
+    "n": ((1,), "one choice per request"),
+    "best_of": ((None, 1), "one choice per request"),
+    "presence_penalty": ((0.0,), _NOT_IMPLEMENTED),
+    "frequency_penalty": ((0.0,), _NOT_IMPLEMENTED),
+    "logit_bias": ((None, {}), _NOT_IMPLEMENTED),
+    "echo": ((False,), _NOT_IMPLEMENTED),
+    "logprobs": ((None, False), _NOT_IMPLEMENTED),
+    "top_logprobs": ((None,), _NOT_IMPLEMENTED),
+    "suffix": ((None,), _NOT_IMPLEMENTED),
+    "response_format": ((None, {"type": "text"}), "qrt generates free text"),
+    "tools": ((None, []), _NO_TOOLS),
+    "tool_choice": ((None, "none"), _NO_TOOLS),
+    "parallel_tool_calls": ((None, False), _NO_TOOLS),
+}
 
 
 class _Generation(BaseModel):
@@ -57,21 +71,14 @@ class _Generation(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for abuse tracking: recorded by nobody, changes nothing
 
-    @field_validator("n")
+    @field_validator(*OFF_ONLY, check_fields=False)
     @classmethod
-    def _one_choice(cls, v):
-        return _only(v, (1,), "n", "one choice per request")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v, info):
-        return _only(v, (0.0,), info.field_name)
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported (qrt does not implement it); leave it out")
+    def _off_only(cls, v, info):
+        allowed, why = OFF_ONLY[info.field_name]
+        # By type and value: logprobs=0 still asks for log-probabilities, though 0 == False.
+        if not any(type(v) is type(off) and v == off for off in allowed):
+            raise ValueError(f"{info.field_name}={v!r} is not supported ({why}); "
+                             f"leave it out or send {allowed[0]!r}")
         return v
 
     @field_validator("top_k")
@@ -124,26 +131,6 @@ class CompletionRequest(_Generation):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        return _only(v, (False,), "echo")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _only(v, (None,), "logprobs")
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v):
-        return _only(v, (None, 1), "best_of", "one choice per request")
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        return _only(v, (None,), "suffix")
-
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
@@ -191,41 +178,6 @@ class ChatCompletionRequest(_Generation):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _only(v, (False,), "logprobs")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v):
-        return _only(v, (None,), "top_logprobs")
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v != {"type": "text"}:
-            raise ValueError(f"response_format={v!r} is not supported (qrt generates free text); "
-                             f"leave it out or send {{'type': 'text'}}")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported (qrt does not implement tool calling); leave them out")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        return _only(v, (None, "none"), "tool_choice", "qrt does not implement tool calling")
-
-    @field_validator("parallel_tool_calls")
-    @classmethod
-    def _no_parallel_tools(cls, v):
-        return _only(v, (None, False), "parallel_tool_calls", "qrt does not implement tool calling")
 
     @model_validator(mode="after")
     def _one_limit(self):
