@@ -100,8 +100,12 @@ def test_one_request_failing_leaves_the_others_untouched(model):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer fault")
 
     sequences[1].stream.add = broken
-    engine.run(sequences)
+    # And one whose sampling fails (a generator multinomial cannot use).
+    sampled = engine.submit(model.request([41, 42], 8, SamplingParams(1.0, seed=1), stop_at_eos=False))
+    sampled.generator = object()
+    engine.run(sequences + [sampled])
     assert sequences[1].finish_reason == ERROR and isinstance(sequences[1].error, UnicodeDecodeError)
+    assert sampled.finish_reason == ERROR and isinstance(sampled.error, TypeError)
     assert [sequences[0].tokens, sequences[2].tokens] == [alone(model, prompts[0], 8), alone(model, prompts[2], 8)]
     assert engine.active == 0
 

@@ -146,10 +146,13 @@ class Engine:
         sampled = self._prefill_step() + self._decode_step(decoding)  # [(sequence, logits [V])]
         if not sampled:
             return
-        tokens = torch.stack([self._sample(seq, logits) for seq, logits in sampled])  # [n]
-        tokens = broadcast_from_first(tokens, self.model.parallel)
+        picked = [(seq, self._guarded(seq, self._sample, seq, logits)) for seq, logits in sampled]
+        picked = [(seq, token) for seq, token in picked if token is not None]
+        if not picked:
+            return
+        tokens = broadcast_from_first(torch.stack([token for _, token in picked]), self.model.parallel)  # [n]
         now = time.perf_counter()
-        for (seq, _), token in zip(sampled, tokens.tolist()):
+        for (seq, _), token in zip(picked, tokens.tolist()):
             self._guarded(seq, self._accept, seq, token, now)
 
     def fail_all(self, err: BaseException) -> None:
