@@ -62,6 +62,7 @@ def run_bench(script: str, *args, tmp_path) -> str:
     return result.stdout
 
 
+@pytest.mark.bench  # the script end to end, about 25 s: `make test-bench`, which CI runs after `make test`
 def test_profile_decode_accounts_for_the_whole_step(one_layer_llama, tmp_path):
     out = run_bench("bench/profile_decode.py", str(one_layer_llama), "--steps", "8", tmp_path=tmp_path)
     assert re.search(r"decode step: [\d.]+ ms without the profiler", out)
@@ -74,6 +75,7 @@ def test_profile_decode_accounts_for_the_whole_step(one_layer_llama, tmp_path):
     assert 95 <= sum(int(share) for share in shares.values()) <= 110, out
 
 
+@pytest.mark.bench  # two compiles in subprocesses, about 30 s
 def test_profile_compile_shows_the_warm_start_served_from_the_cache(one_layer_llama, tmp_path):
     out = run_bench("bench/profile_compile.py", str(one_layer_llama), tmp_path=tmp_path)
     rows = {m[0].strip(): (float(m[1]), float(m[2]))
