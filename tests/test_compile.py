@@ -33,6 +33,7 @@ def test_regional_build_prepacks_dense_weights_and_matches_the_frozen_build(llam
         runtime.compile_model(llama_dir, progress=False, autotune=True)
 
 
+@pytest.mark.slow  # autotuning every decode GEMM: about 25 s of the default run's 12 minutes
 def test_frozen_build_autotuned_decode_gives_the_same_tokens_in_one_graph(llama_dir):
     from qrt import runtime
 
