@@ -81,23 +81,29 @@ class ServerProcess:
     """A server in its own process group, stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, command: list[str], port: int, ready_path: str, log_path: Path, env=None):
-        self.url, self.ready_path, self.log_path = f"http://127.0.0.1:{port}", ready_path, log_path
+        self.port, self.url, self.ready_path, self.log_path = port, f"http://127.0.0.1:{port}", ready_path, log_path
+        self.ready_codes: list[int] = []  # the status of every readiness poll that got an answer
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                         env=env)
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
         started = time.monotonic()
-        while time.monotonic() - started < READY_TIMEOUT_S:
+        while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.process.returncode}); log: {self.log_path}")
+                raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.output()}")
             try:
-                if httpx.get(self.url + self.ready_path, timeout=5).status_code == 200:
+                self.ready_codes.append(httpx.get(self.url + self.ready_path, timeout=5).status_code)
+                if self.ready_codes[-1] == 200:
                     return time.monotonic() - started
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        raise TimeoutError(f"the server was not ready within {READY_TIMEOUT_S} s; log: {self.log_path}")
+        raise TimeoutError(f"the server was not ready within {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
 
     def stop(self) -> int | None:
         if self.process.poll() is None:

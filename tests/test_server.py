@@ -4,10 +4,8 @@ checked against the same model's `generate` in this process."""
 
 import json
 import os
-import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +15,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 
+from bench.serve_load import ServerProcess, free_port, metrics
 from qrt.runtime.sampling import SamplingParams
 
 KEY = "test-key"
@@ -25,57 +24,18 @@ SLOTS, MAX_SEQ_LEN, MAX_QUEUE = 4, 2048, 8  # as chat_model
 START_TIMEOUT_S = 300  # a cold compile of the tiny model under a loaded CI machine
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Server(ServerProcess):
+    """`qrt serve` on the tiny chat model, with the helpers the tests read it by."""
 
-
-class Server:
     def __init__(self, folder, log_path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.health_codes = []
-        command = [sys.executable, "-m", "qrt", "serve", str(folder), "--port", str(self.port),
+        port = free_port()
+        command = [sys.executable, "-m", "qrt", "serve", str(folder), "--port", str(port),
                    "--max-batch", str(SLOTS), "--max-seq-len", str(MAX_SEQ_LEN), "--max-queue", str(MAX_QUEUE),
                    "--api-key", KEY, "--served-model-name", NAME]
-        self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                code = httpx.get(f"{self.url}/health", timeout=5).status_code
-            except httpx.TransportError:
-                code = None
-            if code is not None:
-                self.health_codes.append(code)
-            if code == 200:
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not ready within {START_TIMEOUT_S} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        self.log.close()
+        super().__init__(command, port, "/health", log_path)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(qrt_[^\s#]+) ([0-9.e+-]+)$", text, re.M)}
+        return metrics(self.url)
 
     def wait_metrics(self, check, timeout: float = 15) -> dict:
         deadline = time.monotonic() + timeout
@@ -90,7 +50,7 @@ class Server:
 def server(chat_llama_dir, tmp_path_factory):
     srv = Server(chat_llama_dir, tmp_path_factory.mktemp("server") / "server.log")
     try:
-        srv.wait_ready()
+        srv.wait_ready(START_TIMEOUT_S)
         yield srv
     finally:
         srv.stop()
@@ -114,7 +74,7 @@ def _outcome(values, outcome):
 
 
 def test_health_is_503_until_compiled_then_models_and_metrics_answer(server, client):
-    assert 503 in server.health_codes and server.health_codes[-1] == 200
+    assert 503 in server.ready_codes and server.ready_codes[-1] == 200
     assert [m.id for m in client.models.list().data] == [NAME]
     values = server.metrics()
     assert values["qrt_slots"] == SLOTS and values["qrt_active_slots"] == 0 and values["qrt_queue_depth"] == 0

@@ -327,11 +327,18 @@ class CompiledModel:
         torch._dynamo.mark_dynamic(keys, 0, min=2, max=self.max_seq_len - 1)
         return tokens.to(self.device).view(-1, 1), positions.to(self.device).view(-1, 1), keys  # [slots, 1] each
 
-    def _slot0_step(self, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions [slots] of a decode step with only slot 0 busy. Idle rows feed
-        token 0 at the last cache position, which no request reaches (see Engine._decode_step)."""
+    def idle_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [slots] of a decode step with every slot idle, for the caller to fill
+        in its busy ones. An idle row feeds token 0 at the last cache position, which no request
+        reaches (the last token of a request that fills the cache is sampled, never fed) and none
+        attends."""
         tokens = torch.zeros(self.max_batch_size, dtype=torch.long)
         positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, dtype=torch.long)
+        return tokens, positions
+
+    def _slot0_step(self, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [slots] of a decode step with only slot 0 busy."""
+        tokens, positions = self.idle_decode_rows()
         tokens[0], positions[0] = token, position
         return tokens, positions
 

@@ -200,11 +200,7 @@ class Engine:
     def _decode_step(self, decoding) -> list:
         if not decoding:
             return []
-        slots = len(self.slots)
-        # Idle rows feed token 0 at the last cache position, which no request reaches (the last
-        # token of a request that fills the cache is sampled, never fed) and none attends.
-        tokens = torch.zeros(slots, dtype=torch.long)
-        positions = torch.full((slots,), self.model.max_seq_len - 1, dtype=torch.long)
+        tokens, positions = self.model.idle_decode_rows()  # [slots] each
         for seq in decoding:
             tokens[seq.slot], positions[seq.slot] = seq.next_token, seq.position
         try:
