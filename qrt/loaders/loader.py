@@ -1,5 +1,6 @@
 """Build a model on the meta device, stream a checkpoint into it, then run the loader pass."""
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from qrt.kernels.choices import NoKernelError
 
 from .config import DeviceConfig, LoadConfig, parse_dtype
 from .errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
-from .linear import attributes_of, make_parameter
+from .linear import Linear, attributes_of, make_parameter
 from .tensor_parallel import SINGLE, Parallelism, axis_cut
 
 
@@ -162,9 +163,14 @@ def _check_complete(model, params: dict, loaded: dict, where: Path) -> None:
             continue  # derived while loading (e.g. online fp8 scales), or checked by the loader pass
         for shard_id in sorted(_expected_shards(model, name) - loaded[name], key=str):
             missing.append(name if shard_id is None else f"{name} (shard {shard_id!r})")
+            if match := _EXPERT_NAME.search(name):
+                missing[-1] += f" (layer {match['layer']}, expert {match['expert']})"
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(where, None, f"missing tensor(s) for {shown}")
+
+
+_EXPERT_NAME = re.compile(r"layers\.(?P<layer>\d+)\..*\.experts\.(?P<expert>\d+)\.")
 
 
 def fill_random(model: nn.Module, seed: int) -> None:
@@ -188,9 +194,14 @@ def run_loader_pass(model: nn.Module, device: torch.device) -> None:
     stay where they were loaded."""
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if method is None:
+        if method is None or not isinstance(module, Linear):
             continue
         try:
             method.process_after_loading(module, device)
         except NoKernelError as err:
             raise UnsupportedError(f"{name}: {method.name} weights cannot run on {device.type}: {err}") from None
+    # Modules made of several layers regroup theirs once each is in its kernel's layout (the
+    # experts of a mixture-of-experts block stack theirs, experts.py).
+    for module in list(model.modules()):
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()

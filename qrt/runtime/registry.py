@@ -5,15 +5,17 @@ from qrt.loaders.errors import ConfigError, UnsupportedError
 from .models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from .models.llama import LlamaForCausalLM
 from .models.mistral import MistralForCausalLM
+from .models.mixtral import MixtralForCausalLM
 from .models.phi3 import Phi3ForCausalLM
 from .models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from .models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 
 class ModelRegistry:
     _models = {
         cls.__name__: cls
         for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
-                    Gemma2ForCausalLM, Gemma3ForCausalLM)
+                    Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
     }
 
     @classmethod

@@ -28,6 +28,19 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The sparse feed-forward blocks of a mixture-of-experts family."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int  # of one routed expert
+    sparse_layers: tuple[bool, ...]  # per layer: a sparse block (True) or a dense MLP of intermediate_size
+    norm_topk_prob: bool  # renormalize the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # sigmoid(gate(x)) scales the shared expert (Qwen2-MoE)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     hidden_size: int
@@ -51,6 +64,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_logit_softcap: float | None = None  # the same on the output logits
+    moe: "MoEConfig | None" = None  # mixture-of-experts families (models/moe.py)
     parallel: Parallelism = SINGLE  # the tensor-parallel group the model is built for (not from config.json)
 
     @classmethod

@@ -299,9 +299,10 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul and act(gate) * up one op
     (qrt::act_mul)."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, fused_checkpoint: bool):
+    def __init__(self, cfg: ModelConfig, prefix: str, scheme, dtype, *, fused_checkpoint: bool,
+                 intermediate_size: int | None = None):
         super().__init__()
-        inter, tp = cfg.intermediate_size, cfg.parallel
+        inter, tp = intermediate_size or cfg.intermediate_size, cfg.parallel
         part = tp.even(inter, f"{prefix}: intermediate_size")  # column-parallel gate/up, row-parallel down
         if fused_checkpoint:
             shards = dict(method=scheme.method_for(f"{prefix}.gate_up_proj"))
@@ -322,6 +323,7 @@ class DecoderLayer(nn.Module):
 
     norm_cls = RMSNorm
     fused_checkpoint = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    mlp_name = "mlp"  # the checkpoint's name of the feed-forward block (Mixtral: block_sparse_moe)
 
     def __init__(self, cfg: ModelConfig, index: int, scheme, dtype):
         super().__init__()
@@ -331,8 +333,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", scheme, dtype, norm_cls=self.norm_cls,
                                    fused_checkpoint=self.fused_checkpoint)
         self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg, f"{prefix}.mlp", scheme, dtype, fused_checkpoint=self.fused_checkpoint)
+        setattr(self, self.mlp_name, self.make_mlp(cfg, index, f"{prefix}.{self.mlp_name}", scheme, dtype))
+
+    def make_mlp(self, cfg: ModelConfig, index: int, prefix: str, scheme, dtype) -> nn.Module:
+        """The feed-forward block of layer `index` (mixture-of-experts families choose per layer)."""
+        return GatedMLP(cfg, prefix, scheme, dtype, fused_checkpoint=self.fused_checkpoint)
 
     def forward(self, x, cos, sin, mask, positions, slots):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, slots)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))

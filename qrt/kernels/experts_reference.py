@@ -1,0 +1,71 @@
+"""`qrt::fused_experts`: the routed experts of a mixture-of-experts block, as one op.
+
+    out[t] = sum_j topk_weights[t, j] * down_e(act(gate_up_e(x[t])))   with e = topk_ids[t, j]
+
+Each expert is a gated MLP whose two projections are quantized linears of the checkpoint's format.
+The op receives the experts' weights stacked, one tensor [E, ...] per parameter of a projection,
+and a name (`experts`) under which the loader registered how one expert's slice of those tensors
+is applied: the format's own linear (loaders/experts.py). So every format that runs a linear layer
+runs experts, with the kernel its loader pass chose for one expert's weights (ATen's int4/int8
+packs on the CPU, oneDNN for dense ones).
+
+The routing is data, not control flow: to the compiled graph the op is opaque (an extern call with
+a fixed output shape), so which experts a token picks never causes a recompile or a graph break.
+Inside, tokens are grouped by expert and each expert that received tokens runs once on all of them:
+decode reads only the selected experts' weights.
+"""
+
+from typing import Callable
+
+import torch
+
+from .activation_reference import act_mul
+
+# experts name -> (gate_up, down): each apply(expert index, stacked tensors, x [n, K]) -> [n, N]
+ExpertApply = Callable[[int, list, torch.Tensor], torch.Tensor]
+_EXPERT_LAYERS: dict[str, tuple[ExpertApply, ExpertApply]] = {}
+
+
+def register_expert_layers(name: str, gate_up: ExpertApply, down: ExpertApply) -> None:
+    """Make `name` usable as fused_experts' `experts` argument. Layers whose experts share a name
+    must be interchangeable (same format, layout and shapes): a compiled layer body bakes the name
+    in and runs it for every layer that calls it."""
+    _EXPERT_LAYERS[name] = (gate_up, down)
+
+
+def expert_layers(name: str) -> tuple[ExpertApply, ExpertApply]:
+    try:
+        return _EXPERT_LAYERS[name]
+    except KeyError:
+        raise KeyError(f"no experts registered as {name!r}; the model's loader registers them") from None
+
+
+@torch.library.custom_op("qrt::fused_experts", mutates_args=())
+def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: list[torch.Tensor],
+                  down: list[torch.Tensor], experts: str, activation: str) -> torch.Tensor:
+    """x: [T, D]; topk_ids: [T, k] int64; topk_weights: [T, k] float. Returns [T, D] in x's dtype,
+    summed in fp32."""
+    apply_gate_up, apply_down = expert_layers(experts)
+    tokens, k = topk_ids.shape
+    num_experts = gate_up[0].shape[0]
+    flat_ids = topk_ids.reshape(-1)  # [T * k]
+    order = torch.argsort(flat_ids, stable=True)  # routed pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    weights = topk_weights.reshape(-1).float()  # [T * k]
+    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, D]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]  # [n] indices into the T * k routed pairs
+        start += count
+        rows = pairs // k  # [n] the tokens routed to this expert
+        hidden = act_mul(apply_gate_up(expert, gate_up, x.index_select(0, rows)), activation)  # [n, I]
+        y = apply_down(expert, down, hidden)  # [n, D]
+        out.index_add_(0, rows, y.float() * weights[pairs, None])
+    return out.to(x.dtype)
+
+
+@fused_experts.register_fake
+def _(x, topk_ids, topk_weights, gate_up, down, experts, activation):
+    return torch.empty_like(x)
