@@ -1,0 +1,180 @@
+"""Tiny random mixture-of-experts checkpoints made with transformers' own classes (one tensor per
+expert, as the hub stores them), and the same checkpoints with their linears written in a
+quantized format's exact on-disk layout.
+
+The routers are scaled up so that each token's expert choice is decisive: a near-tie between two
+experts would flip with any rounding and make two correct models disagree."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import fp8_checkpoints as fp8
+from int_checkpoints import awq_tensors, ct_config, ct_tensors, gptq_tensors
+from tiny_checkpoints import TINY
+
+ROUTER_SCALE = 8.0
+_MOE_TINY = dict(TINY, initializer_range=0.1)
+
+MOE_ARCHS = {
+    # name: (transformers config class, model class, config overrides)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+    # A shared expert with its sigmoid gate, q/k/v biases, unnormalized top-k, and layer 1 dense.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+        mlp_only_layers=[1], norm_topk_prob=False)),
+    # q/k norms, renormalized top-k, head_dim unequal to hidden / heads, sparse every layer.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True, head_dim=32)),
+}
+
+
+def make_moe_checkpoint(folder: Path, arch: str, *, seed: int = 0, dtype=torch.float32):
+    """Write a tiny random `arch` checkpoint; return the float32 transformers model it holds."""
+    import transformers
+
+    config_name, model_name, overrides = MOE_ARCHS[arch]
+    config = getattr(transformers, config_name)(**{**_MOE_TINY, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.1 + 1.0)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn_like(param) * 0.1)
+            elif is_router(name.removesuffix(".weight")):
+                param.mul_(ROUTER_SCALE)
+    model.to(dtype).save_pretrained(str(folder), safe_serialization=True)
+    return model.float()
+
+
+def is_router(module: str) -> bool:
+    return module.endswith((".gate", "shared_expert_gate"))
+
+
+def quantized_linears(state: dict) -> list[str]:
+    """The decoder linears a quantizer converts: everything in the layers but the routers (which
+    quantizers leave out, and qrt keeps as stored)."""
+    return [name.removesuffix(".weight") for name, t in state.items()
+            if name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2
+            and not is_router(name.removesuffix(".weight"))]
+
+
+def _input_seed(module: str) -> int:
+    """One act-order permutation per input: GPTQ orders channels by the Hessian of the layer's
+    input, which q/k/v share, as do an expert's gate and up."""
+    for shard, shared in ((".q_proj", ".qkv"), (".k_proj", ".qkv"), (".v_proj", ".qkv"), (".gate_proj", ".gu"),
+                          (".up_proj", ".gu"), (".w1", ".gu"), (".w3", ".gu")):
+        module = module.replace(shard, shared)
+    return sum(ord(c) * (i + 1) for i, c in enumerate(module)) % 10007
+
+
+def _fp8(strategy):
+    def build(w, **_):
+        if strategy == "block":
+            q, scale = fp8.quantize_block(w)
+            return q, scale, fp8.dequantize_block(q, scale)
+        q, scale = fp8.quantize_channel(w) if strategy == "channel" else fp8.quantize_tensor(w)
+        return q, scale, q.float() * scale
+    return build
+
+
+def _fp8_tensors(family: str):
+    strategy, static = fp8.FAMILIES[family]
+    build = _fp8(strategy)
+
+    def tensors(w, seed=0, **_):
+        q, scale, dequantized = build(w)
+        if family.startswith("ct-"):  # stored in bf16: the reference must use the scale as stored
+            scale = scale.to(torch.bfloat16).float()
+            dequantized = fp8.dequantize_block(q, scale) if strategy == "block" else q.float() * scale
+        out = {"weight": q, fp8._scale_name(family): fp8._stored_scale(family, scale)}
+        if static:
+            out["input_scale"] = fp8._stored_scale(family, torch.tensor(0.02 + 0.01 * (seed % 3)))
+        return out, dequantized
+    return tensors, fp8._quant_config(family)
+
+
+def _gptq(bits, group_size, sym, act_order):
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": sym,
+              "checkpoint_format": "gptq"}
+    return (lambda w, seed=0: gptq_tensors(w, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
+                                           seed=seed)), config
+
+
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True,
+              "modules_to_not_convert": None}
+_ROUTERS_IGNORED = ("lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$")
+
+# name -> (tensors(w, seed) -> ({suffix: tensor}, dequantized [N, K]), quantization_config, CPU kernel of the experts)
+QUANTIZED = {
+    "gptq-4bit-act-order-asym": (*_gptq(4, 32, False, True), "qrt.int4pack_linear"),
+    "gptq-8bit-channel": (*_gptq(8, -1, True, False), "qrt.int8pack_linear"),
+    "awq": (lambda w, seed=0: awq_tensors(w, group_size=32), AWQ_CONFIG, "qrt.int4pack_linear"),
+    "ct-w4a16": (lambda w, seed=0: ct_tensors(w, group_size=32), ct_config(group_size=32, ignore=_ROUTERS_IGNORED),
+                 "qrt.int4pack_linear"),
+    "ct-w8a16": (lambda w, seed=0: ct_tensors(w, bits=8, group_size=-1),
+                 ct_config(bits=8, group_size=-1, ignore=_ROUTERS_IGNORED), "qrt.int8pack_linear"),
+    "fp8-block": (*_fp8_tensors("hf-fp8-block"), "qrt.fp8_block_linear_cpu"),
+    "ct-fp8-channel": (*_fp8_tensors("ct-fp8-channel-dynamic"), "qrt.fp8_linear_cpu"),
+    "modelopt-fp8-tensor": (*_fp8_tensors("modelopt-fp8"), "qrt.fp8_static_linear_cpu"),
+}
+
+
+def make_quantized_moe_checkpoint(folder: Path, arch: str, fmt: str, *, seed: int = 0):
+    """`arch`'s tiny checkpoint with every decoder linear but the routers stored in format `fmt`;
+    returns the transformers model holding the dequantized weights (the reference).
+
+    transformers holds experts fused ([E, ...] per projection) and converts to and from the hub's
+    one-tensor-per-expert layout when it saves and loads, so the quantizer works on the saved
+    file and the reference is loaded back from a dequantized copy of it."""
+    import transformers
+
+    make_moe_checkpoint(folder, arch, seed=seed)
+    (path,) = folder.glob("*.safetensors")
+    state = load_file(str(path))
+    tensors_of, quantization_config, _ = QUANTIZED[fmt]
+    reference = dict(state)
+    for module in quantized_linears(state):
+        w = state.pop(f"{module}.weight")
+        tensors, dequantized = tensors_of(w, seed=seed + _input_seed(module))
+        state.update({f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+        reference[f"{module}.weight"] = dequantized.float().contiguous()
+    reference_folder = folder.parent / f"{folder.name}-dequantized"
+    reference_folder.mkdir(exist_ok=True)
+    shutil.copy(folder / "config.json", reference_folder / "config.json")
+    save_file(reference, str(reference_folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return transformers.AutoModelForCausalLM.from_pretrained(str(reference_folder), dtype=torch.float32).eval()
+
+
+def online_int_reference(folder: Path, bits: int):
+    """The transformers model of `folder`'s checkpoint with the weights qrt's online int`bits`
+    makes (quantize_int_rows, groups of 32 or per channel, lm_head int8 per channel) dequantized:
+    what quant="int4"/"int8" should compute, activations unquantized."""
+    import transformers
+
+    from qrt.loaders.int_online import OnlineIntConfig, quantize_int_rows
+
+    (path,) = folder.glob("*.safetensors")
+    state = load_file(str(path))
+    for module in [*quantized_linears(state), "lm_head"]:
+        w = state[f"{module}.weight"].float()
+        cfg = OnlineIntConfig(8) if module == "lm_head" else OnlineIntConfig(bits, 32)
+        group = cfg.group_size(w.shape[1])
+        q, scales, zeros = quantize_int_rows(w, cfg.bits, group, torch.float32)
+        g = torch.arange(w.shape[1]) // group
+        state[f"{module}.weight"] = ((q.float() - zeros[:, g]) * scales.float()[:, g]).contiguous()
+    reference_folder = folder.parent / f"{folder.name}-int{bits}-dequantized"
+    reference_folder.mkdir(exist_ok=True)
+    shutil.copy(folder / "config.json", reference_folder / "config.json")
+    save_file(state, str(reference_folder / "model.safetensors"), metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(str(reference_folder), dtype=torch.float32).eval()

@@ -1,0 +1,165 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers on tiny
+checkpoints: logits and greedy tokens compiled, one graph per role whatever the routing, every
+sparse block one qrt::fused_experts call; quantized experts in the stored formats' exact on-disk
+layouts and in the online formats against their dequantized references; a missing expert named."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles, swap_record
+from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
+                             online_int_reference)
+from qrt import runtime
+from qrt.loaders.errors import CheckpointError
+from tiny_checkpoints import relative_l2
+
+SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2}  # of the 2 tiny layers
+
+
+def _ids(seed, shape):
+    return torch.randint(0, 300, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass
+class Moe:
+    name: str
+    folder: Path
+    hf: torch.nn.Module
+    models: dict = field(default_factory=dict)
+
+    def compiled(self):
+        if "compiled" not in self.models:
+            self.models["compiled"] = runtime.compile_model(self.folder, progress=False, max_seq_len=128)
+        return self.models["compiled"]
+
+
+@pytest.fixture(scope="module", params=list(MOE_ARCHS))
+def moe(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return Moe(request.param, folder, make_moe_checkpoint(folder, request.param))
+
+
+def test_compiled_logits_match_transformers(moe):
+    # Through the prefill graph (its length is dynamic): the last token's logits of prompts of
+    # three lengths, every token having routed through its own experts on the way.
+    for length in (9, 17, 24):
+        ids = _ids(length, (1, length))
+        with torch.no_grad():
+            expected = moe.hf(ids).logits[0, -1]
+            got = moe.compiled()._prefill(ids)[0, -1]
+        assert relative_l2(got, expected) < 1e-3, length
+
+
+def test_greedy_generation_matches_transformers(moe):
+    prompt = _ids(1, (1, 10))
+    with torch.no_grad():
+        expected = moe.hf.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert moe.compiled().generate(prompt[0].tolist(), max_new_tokens=24, stop_at_eos=False) == expected[0, 10:].tolist()
+
+
+def test_routing_is_data_one_graph_per_role_and_one_experts_op_per_sparse_block(moe):
+    model = moe.compiled()
+    prompt = list(range(10, 27))
+    # The tokens of a prompt and of each decode step pick different experts; none of it recompiles.
+    chosen = _routed_experts(moe.hf, torch.tensor([prompt]))
+    assert len({tuple(sorted(row)) for row in chosen}) > 1
+    decode_without_recompiles(model, prompt, 24)
+    assert_one_graph_per_role(model, forward=False)
+    for role in ("prefill", "decode"):
+        _, swap = swap_record(model.backends[role].log)
+        assert swap.ops_after.get("qrt.fused_experts", 0) == SPARSE_BLOCKS[moe.name], role
+
+
+def _routed_experts(hf, ids) -> list[list[int]]:
+    """The experts transformers' first sparse block picks for each token of `ids`."""
+    picked = []
+    block = next(m for m in hf.modules() if type(m).__name__.endswith("SparseMoeBlock"))
+    handle = block.gate.register_forward_hook(lambda mod, args, out: picked.extend(out[2].tolist()))
+    with torch.no_grad():
+        hf(ids)
+    handle.remove()
+    return picked
+
+
+def test_dynamo_explain_finds_no_graph_breaks_in_decode(moe):
+    # Last in the group: explain() resets Dynamo, which discards the compiled graphs above.
+    assert_no_graph_breaks(moe.compiled(), "decode")
+
+
+def _experts_kernels(model) -> set:
+    return {p.kernel for n, p in model.model.named_parameters() if ".experts." in n and n.endswith(".weight")}
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZED))
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_quantized_experts_match_the_dequantized_model(arch, fmt, tmp_path):
+    """Experts stored in each format (Mixtral's w1/w2/w3 names, Qwen2-MoE's shared expert) load
+    into their kernel's layout and compute what the dequantized checkpoint does in transformers."""
+    reference = make_quantized_moe_checkpoint(tmp_path / fmt, arch, fmt)
+    model = runtime.compile_model(tmp_path / fmt, compile=False, progress=False, max_seq_len=64)
+    _, _, kernel = QUANTIZED[fmt]
+    assert _experts_kernels(model) == {kernel}
+    ids = _ids(2, (2, 16))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    # Weight-only formats reproduce the dequantized weights exactly; fp8 formats also quantize the
+    # activations, which moves these sharp tiny models' logits by ~10% (a lost scale: 100% or more).
+    tolerance = 0.2 if "fp8" in fmt else 1e-4
+    assert relative_l2(model(ids), expected) < tolerance
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2-moe-online")
+    return folder, make_moe_checkpoint(folder, "qwen2_moe")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_online_int_experts_match_their_dequantized_weights(qwen2_moe, bits):
+    folder, _ = qwen2_moe
+    model = runtime.compile_model(folder, quant=f"int{bits}", compile=False, progress=False, max_seq_len=64)
+    assert _experts_kernels(model) == {f"qrt.int{bits}pack_linear"}
+    ids = _ids(3, (2, 16))
+    with torch.no_grad():
+        expected = online_int_reference(folder, bits)(ids).logits
+    assert relative_l2(model(ids), expected) < 1e-4
+
+
+@pytest.mark.parametrize("quant,kernel", [("fp8", "qrt.fp8_linear_cpu"), ("w8a8", "qrt.int8_linear_cpu")])
+def test_online_activation_quantized_experts(qwen2_moe, quant, kernel):
+    folder, hf = qwen2_moe
+    model = runtime.compile_model(folder, quant=quant, compile=False, progress=False, max_seq_len=64)
+    assert _experts_kernels(model) == {kernel}
+    ids = _ids(3, (2, 16))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert relative_l2(model(ids), expected) < 0.2
+
+
+@pytest.mark.slow
+def test_compiled_int4_experts_match_eager(qwen2_moe):
+    folder, _ = qwen2_moe
+    compiled = runtime.compile_model(folder, quant="int4", progress=False, max_seq_len=64)
+    eager = runtime.compile_model(folder, quant="int4", compile=False, progress=False, max_seq_len=64)
+    prompt = list(range(20, 36))
+    with torch.no_grad():
+        assert relative_l2(compiled._prefill(torch.tensor([prompt]))[0, -1],
+                           eager._prefill(torch.tensor([prompt]))[0, -1]) < 1e-3
+    assert compiled.generate(prompt, max_new_tokens=8, stop_at_eos=False) == \
+        eager.generate(prompt, max_new_tokens=8, stop_at_eos=False)
+
+
+def test_a_missing_expert_tensor_names_the_layer_and_the_expert(qwen2_moe, tmp_path):
+    folder, _ = qwen2_moe
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    state = load_file(str(next(folder.glob("*.safetensors"))))
+    del state["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts\.3\.gate_up_proj\.weight \(shard 1\) \(layer 0, expert 3\)"):
+        runtime.compile_model(broken, compile=False, progress=False, max_seq_len=64)
