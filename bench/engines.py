@@ -60,7 +60,7 @@ def check_rows(rows, job: dict, expected: int, engine: str) -> None:
 def load_qrt(job: dict):
     import torch
 
-    from bench.roofline import weight_bytes_per_token
+    from bench.roofline import expert_weight_bytes, weight_bytes_per_token
     from qrt.loaders.config import LoadConfig
     from qrt.runtime import compile_model
 
@@ -72,8 +72,9 @@ def load_qrt(job: dict):
                           load_config=LoadConfig(load_format=job.get("load_format", "auto"), progress=False))
     load_s = time.perf_counter() - started
     causal_lm = model.model
-    return model, started, {"load_s": load_s, "weight_bytes_per_token": weight_bytes_per_token(
-        causal_lm, causal_lm.model.embed_tokens.weight)}
+    return model, started, {"load_s": load_s, "expert_bytes": expert_weight_bytes(causal_lm),
+                            "weight_bytes_per_token": weight_bytes_per_token(causal_lm,
+                                                                             causal_lm.model.embed_tokens.weight)}
 
 
 def warm_up(model, job: dict, started: float) -> dict:
@@ -115,14 +116,14 @@ def transformers_engine(job: dict, compiled: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.roofline import weight_bytes_per_token
+    from bench.roofline import expert_weight_bytes, weight_bytes_per_token
 
     torch.set_num_threads(job["threads"])
     engine = job["label"]
     log(f"{engine}: loading")
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(job["path"], dtype=torch.bfloat16)
-    figures = {"load_s": time.perf_counter() - started,
+    figures = {"load_s": time.perf_counter() - started, "expert_bytes": expert_weight_bytes(model),
                "weight_bytes_per_token": weight_bytes_per_token(model, model.get_input_embeddings().weight)}
     if compiled:
         # A static cache keeps the KV tensors' shapes fixed as the sequence grows, so the compiled

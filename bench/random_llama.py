@@ -46,19 +46,25 @@ INIT_STD = 0.02  # transformers' initializer_range for Llama: activations stay i
 
 
 def random_llama_path(progress: bool = True) -> Path:
-    final = _cache_root(None) / "bench" / FOLDER
-    marker = json.dumps({"config": LLAMA_1B, "writer_version": WRITER_VERSION, "seed": SEED})
+    return cached_random_checkpoint(FOLDER, LLAMA_1B, write_random_llama, WRITER_VERSION,
+                                    "a random-weight Llama (0.85B parameters, bf16)" if progress else None)
+
+
+def cached_random_checkpoint(name: str, shape: dict, write, writer_version: int, what: str | None) -> Path:
+    """The folder bench/<name> of qrt's cache holding `write(folder, shape)`'s checkpoint, written
+    on first use (saying `what` it writes, unless None)."""
+    final = _cache_root(None) / "bench" / name
+    marker = json.dumps({"config": shape, "writer_version": writer_version, "seed": SEED})
     if (final / MARKER).is_file() and (final / MARKER).read_text() == marker:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(final, ignore_errors=True)
     # Written beside the final folder and renamed into place, so a killed run leaves no half model there.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER}.tmp-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
     try:
-        if progress:
-            print(f"writing a random-weight Llama (0.85B parameters, bf16) into {final} (first use only)",
-                  file=sys.stderr, flush=True)
-        write_random_llama(tmp, LLAMA_1B)
+        if what:
+            print(f"writing {what} into {final} (first use only)", file=sys.stderr, flush=True)
+        write(tmp, shape)
         (tmp / MARKER).write_text(marker)
         os.replace(tmp, final)
     except BaseException:

@@ -72,6 +72,19 @@ def weight_bytes_per_token(model: torch.nn.Module, embedding: torch.Tensor) -> i
     return others + row + (_nbytes(embedding) if shared else 0)
 
 
+def expert_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a mixture-of-experts model's routed experts (parameters under `.experts.`, as qrt
+    and transformers name them), of which a decode step reads only the experts its tokens pick."""
+    return sum(_nbytes(p) for name, p in model.named_parameters() if ".experts." in name)
+
+
+def experts_read_fraction(num_experts: int, top_k: int, batch: int) -> float:
+    """The share of the experts a decode step of `batch` tokens reads, each token picking top_k of
+    num_experts: exactly top_k / num_experts for one token; for a batch, the expectation under
+    uniform, independent routing (a random-weight router's), 1 - (1 - k/E)^batch."""
+    return 1.0 - (1.0 - top_k / num_experts) ** batch
+
+
 def gguf_weight_bytes_per_token(path: Path) -> int:
     """The same count for a llama.cpp GGUF file: its tensors as stored (quantized blocks with their
     scales), the token embedding (token_embd) one row, unless there is no output tensor, when the

@@ -4,6 +4,7 @@ batch 1 and 8, peak memory, and each decode figure against this machine's memory
 
     python bench/suite.py                        # the default model (SmolLM2-135M-Instruct)
     python bench/suite.py --model 1b             # a random-weight Llama of 0.85B, written on first use
+    python bench/suite.py --model moe --quant bf16,int4,fp8 --engines qrt,transformers  # a random-weight MoE
     python bench/suite.py --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
     python bench/suite.py --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
     python bench/suite.py --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
@@ -53,7 +54,8 @@ from bench.chart import write_chart  # noqa: E402
 from bench.gguf_variants import default_model_ggufs  # noqa: E402
 from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,  # noqa: E402
                            print_machine_state, print_table, prompt_ids)
-from bench.roofline import cache_file, cached_bandwidth, gguf_weight_bytes_per_token, roofline_tok_s  # noqa: E402
+from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,  # noqa: E402
+                            roofline_tok_s)
 from qrt.loaders.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
 from qrt.loaders.registry import online_formats  # noqa: E402
@@ -67,7 +69,8 @@ SMOKE = {"prompt_tokens": 16, "new_tokens": 4, "runs": 1, "batch": 2}
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default",
-                        help="default (SmolLM2-135M-Instruct), 1b (random-weight 0.85B Llama), or a checkpoint folder")
+                        help="default (SmolLM2-135M-Instruct), 1b (random-weight 0.85B Llama), moe (random-weight "
+                             "Qwen3-MoE, 1.0B of which 0.23B active), or a checkpoint folder")
     parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
                         help=f"comma-separated qrt formats: bf16 (weights as stored), {', '.join(online_formats())}")
     parser.add_argument("--engines", type=name_list(ENGINES), default=",".join(ENGINES),
@@ -101,9 +104,13 @@ def resolve_model(name: str):
         from bench.random_llama import random_llama_path
 
         return random_llama_path(), "random-weight Llama 0.85B", None
+    if name == "moe":
+        from bench.random_moe import random_moe_path
+
+        return random_moe_path(), "random-weight Qwen3-MoE 1.0B (0.23B active)", None
     path = Path(name)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model: expected default, 1b or a checkpoint folder with a config.json, got {name!r}")
+        raise SystemExit(f"--model: expected default, 1b, moe or a checkpoint folder with a config.json, got {name!r}")
     return path, path.name, None
 
 
@@ -195,24 +202,43 @@ def make_row(engine: str, fmt: str, label: str, speed_jobs: dict, start_job: dic
         "decode_tok_s": {str(b): (job or {}).get("decode_tok_s") for b, job in speed_jobs.items()},
         "peak_rss_mib": {str(b): (job or {}).get("peak_rss_mib") for b, job in speed_jobs.items()},
         "weight_bytes_per_token": batch1.get("weight_bytes_per_token"),
+        "expert_bytes": batch1.get("expert_bytes") or 0,
         "errors": [f"{name}: {job['error']}" for name, job in jobs.items() if "error" in job],
         "notes": [],
         "jobs": jobs,
     }
 
 
-def add_ratios(rows: list[dict], batches: list[int], bandwidth_gb_s: float) -> None:
-    """×HF and the roofline fraction of every decode figure."""
+def add_ratios(rows: list[dict], batches: list[int], bandwidth_gb_s: float, routing: tuple | None = None) -> None:
+    """×HF and the roofline fraction of every decode figure. routing: (experts, experts per token)
+    of a mixture-of-experts model, whose decode step reads only the experts its tokens pick."""
     eager = next((row for row in rows if row["label"] == HF_EAGER), None)
     for row in rows:
-        row["vs_transformers"], row["roofline_fraction"] = {}, {}
+        row["vs_transformers"], row["roofline_fraction"], row["weight_bytes_per_step"] = {}, {}, {}
         for batch in map(str, batches):
             own = _median(row["decode_tok_s"][batch])
             base = _median(eager["decode_tok_s"][batch]) if eager else None
             row["vs_transformers"][batch] = own / base if own and base and row is not eager else None
-            weight_bytes = row["weight_bytes_per_token"]
+            weight_bytes = step_weight_bytes(row, int(batch), routing)
+            row["weight_bytes_per_step"][batch] = weight_bytes
+            # A step of a batch reads the weights once for all its rows (roofline_tok_s's batch factor).
             row["roofline_fraction"][batch] = (own / roofline_tok_s(bandwidth_gb_s, weight_bytes, int(batch))
                                                if own and weight_bytes else None)
+
+
+def step_weight_bytes(row: dict, batch: int, routing: tuple | None) -> int | None:
+    """Weight bytes one decode step of `batch` rows reads: everything, but of the routed experts
+    only the share that batch is expected to pick (bench/roofline.py)."""
+    total, experts = row["weight_bytes_per_token"], row.get("expert_bytes") or 0
+    if total is None or routing is None or not experts:
+        return total
+    return round(total - experts + experts * experts_read_fraction(*routing, batch))
+
+
+def moe_routing(hf_config: dict) -> tuple[int, int] | None:
+    """(experts, experts per token) of a mixture-of-experts config, else None."""
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts")
+    return (int(experts), int(hf_config["num_experts_per_tok"])) if experts else None
 
 
 def _median(figure: dict | None) -> float | None:
@@ -223,10 +249,10 @@ def print_report(rows: list[dict], batches: list[int], skipped: list[dict]) -> N
     b1, bn = map(str, batches)
     print("\nstart-up and memory (load, compile: one process each; warm start: load + compile with the "
           "compile caches of the first process)")
-    print_table(("engine", "load s", "compile s", "warm start s", "weights MiB/step", f"peak RSS MiB b{b1}",
-                 f"peak RSS MiB b{bn}"), [(
+    print_table(("engine", "load s", "compile s", "warm start s", f"weights MiB/step b{b1}", f"b{bn}",
+                 f"peak RSS MiB b{b1}", f"peak RSS MiB b{bn}"), [(
                      row["label"], _fmt(row["load_s"]), _fmt(row["compile_s"]), _fmt(row["warm_start_s"]),
-                     _fmt(None if row["weight_bytes_per_token"] is None else row["weight_bytes_per_token"] / 2**20),
+                     _fmt_mib(row["weight_bytes_per_step"][b1]), _fmt_mib(row["weight_bytes_per_step"][bn]),
                      _fmt(row["peak_rss_mib"][b1], 0), _fmt(row["peak_rss_mib"][bn], 0),
                  ) for row in rows])
     print("\nspeed (tok/s, median [min–max]; ×HF: over transformers eager at the same batch; roofline: over "
@@ -250,8 +276,25 @@ def print_report(rows: list[dict], batches: list[int], skipped: list[dict]) -> N
         print(f"skipped: {entry['engine']}: {entry['reason']}")
 
 
+def print_expert_reads(rows: list[dict], batches: list[int], routing: tuple[int, int]) -> None:
+    """What the roofline of a mixture-of-experts model counts: of each engine's weights, the routed
+    experts' share a step reads at each batch size."""
+    experts, top_k = routing
+    shares = ", ".join(f"{100 * experts_read_fraction(experts, top_k, b):.0f}% at batch {b}" for b in batches)
+    print(f"\nexperts: {top_k} of {experts} per token; a decode step reads {shares} of the routed experts' weights "
+          f"(batch > 1: expected under uniform routing)")
+    print_table(("engine", "all weights MiB", "routed experts MiB", *(f"read per step b{b} MiB" for b in batches)), [(
+        row["label"], _fmt_mib(row["weight_bytes_per_token"]), _fmt_mib(row["expert_bytes"]),
+        *(_fmt_mib(row["weight_bytes_per_step"][str(b)]) for b in batches),
+    ) for row in rows if row["weight_bytes_per_token"]])
+
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _fmt_mib(nbytes: int | None) -> str:
+    return _fmt(None if nbytes is None else nbytes / 2**20)
 
 
 def _fmt_share(fraction: float | None) -> str:
@@ -289,7 +332,8 @@ def main(argv=None) -> int:
     state = machine_state()  # before loading anything: the load average of the machine as found
     print_machine_state(state)
     path, model_name, ggufs = resolve_model(args.model)
-    vocab_size = read_hf_config(path)["vocab_size"]
+    hf_config = read_hf_config(path)
+    vocab_size, routing = hf_config["vocab_size"], moe_routing(hf_config)
     batches = [1, args.batch]
     prompts = [prompt_ids(vocab_size, args.prompt_tokens, row) for row in range(args.batch)]
     # Measured again in every full run: this machine's speed varies from day to day, and a roofline
@@ -301,8 +345,10 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="qrt-suite-") as work:
         rows, skipped = run_engines(Runner(path, prompts, args, threads, Path(work)), args, ggufs)
-    add_ratios(rows, batches, bandwidth["gb_s"])
+    add_ratios(rows, batches, bandwidth["gb_s"], routing)
     print_report(rows, batches, skipped)
+    if routing:
+        print_expert_reads(rows, batches, routing)
     if args.json:
         report = {"machine": state, "model": {"name": model_name, "path": str(path)},
                   "settings": {**vars(args), "threads": threads}, "batches": batches, "bandwidth": bandwidth,

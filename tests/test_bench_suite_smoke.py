@@ -16,8 +16,8 @@ from tiny_checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"engine", "format", "label", "load_s", "compile_s", "warm_start_s", "first_token_s", "warm_first_token_s", "prefill_tok_s", "decode_tok_s",
-              "peak_rss_mib", "weight_bytes_per_token", "vs_transformers", "roofline_fraction", "errors", "notes",
-              "jobs"}
+              "peak_rss_mib", "weight_bytes_per_token", "expert_bytes", "weight_bytes_per_step", "vs_transformers",
+              "roofline_fraction", "errors", "notes", "jobs"}
 
 
 @pytest.mark.bench  # a minute of bench subprocesses: `make test-bench`, which CI runs after `make test`
@@ -40,6 +40,8 @@ def test_suite_smoke_run(tmp_path):
     # there, not meaningful (one slow prefill run can even make a decode figure negative).
     for label, row in rows.items():
         assert set(row) == ROW_FIELDS, label
+        # A dense model's step reads every weight at every batch size.
+        assert row["expert_bytes"] == 0 and row["weight_bytes_per_step"]["2"] == row["weight_bytes_per_token"], label
         assert row["errors"] == [], label
         assert row["load_s"] > 0 and row["prefill_tok_s"]["median"] > 0, label
         for batch in ("1", "2"):
@@ -62,3 +64,14 @@ def test_suite_smoke_run(tmp_path):
         assert chart_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "no chart: matplotlib is not installed" in result.stdout
+
+
+def test_a_moe_step_reads_the_experts_its_batch_picks():
+    from bench.roofline import experts_read_fraction
+    from bench.suite import step_weight_bytes
+
+    assert experts_read_fraction(32, 6, 1) == 6 / 32
+    assert experts_read_fraction(32, 6, 8) == pytest.approx(1 - (26 / 32) ** 8)
+    row = {"weight_bytes_per_token": 1000, "expert_bytes": 640}
+    assert step_weight_bytes(row, 1, (32, 6)) == 360 + 120
+    assert step_weight_bytes(row, 1, None) == 1000
