@@ -38,12 +38,12 @@ def assert_no_graph_breaks(model, role: str) -> None:
     assert result.graph_count == 1 and result.graph_break_count == 0, result.break_reasons
 
 
-def swap_record(log):
-    """(graph report, swap-pass record) of a compile log that holds exactly one graph, which got
-    exactly one pass: the swap pass, all that CPU graphs get."""
+def swap_record(log, name: str = "swap_quantized_linear"):
+    """(graph report, the record of pass `name`) of a compile log that holds exactly one graph.
+    CPU graphs get the two swap passes: linears, then experts."""
     (graph,) = log.graphs
-    (swap,) = graph.passes
-    return graph, swap
+    assert [p.name for p in graph.passes] == ["swap_quantized_linear", "swap_fused_experts"]
+    return graph, next(p for p in graph.passes if p.name == name)
 
 
 def assert_every_linear_runs(model, kernel: str, count: int, swapped_from: str | None = None,

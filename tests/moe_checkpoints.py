@@ -30,6 +30,23 @@ MOE_ARCHS = {
     # q/k norms, renormalized top-k, head_dim unequal to hidden / heads, sparse every layer.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True, head_dim=32)),
+    # Latent attention without q_lora_rank (V2-Lite's variant), v_head_dim unequal to the q/k heads,
+    # group-limited softmax routing scaled by 2, a shared expert, layer 0 dense.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, intermediate_size=96, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=2.0, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, num_key_value_heads=4)),
+    # q_lora_rank, sigmoid routing with the score correction bias in 4 groups of which 2 open,
+    # renormalized and scaled by 2.5, yarn RoPE with mscale_all_dim (the attention scale moves too),
+    # interleaved rotary pairs, layer 0 dense.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, intermediate_size=96, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, num_key_value_heads=4, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
 }
 
 
@@ -49,6 +66,9 @@ def make_moe_checkpoint(folder: Path, arch: str, *, seed: int = 0, dtype=torch.f
                 param.copy_(torch.randn_like(param) * 0.1)
             elif is_router(name.removesuffix(".weight")):
                 param.mul_(ROUTER_SCALE)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would not test it
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.to(dtype).save_pretrained(str(folder), safe_serialization=True)
     return model.float()
 

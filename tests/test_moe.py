@@ -1,8 +1,10 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers on tiny
-checkpoints: logits and greedy tokens compiled, one graph per role whatever the routing, every
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) against
+transformers on tiny checkpoints: logits and greedy tokens compiled, one graph per role whatever the routing, every
 sparse block one qrt::fused_experts call; quantized experts in the stored formats' exact on-disk
-layouts and in the online formats against their dequantized references; a missing expert named."""
+layouts and in the online formats against their dequantized references; a missing expert named;
+latent attention's cache."""
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,9 +17,11 @@ from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_qua
                              online_int_reference)
 from qrt import runtime
 from qrt.loaders.errors import CheckpointError
+from qrt.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from qrt.runtime.models.mla import cache_bytes_per_token
 from tiny_checkpoints import relative_l2
 
-SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2}  # of the 2 tiny layers
+SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "deepseek_v2": 2, "deepseek_v3": 2}
 
 
 def _ids(seed, shape):
@@ -77,7 +81,7 @@ def test_routing_is_data_one_graph_per_role_and_one_experts_op_per_sparse_block(
 def _routed_experts(hf, ids) -> list[list[int]]:
     """The experts transformers' first sparse block picks for each token of `ids`."""
     picked = []
-    block = next(m for m in hf.modules() if type(m).__name__.endswith("SparseMoeBlock"))
+    block = next(m for m in hf.modules() if hasattr(m, "gate") and hasattr(m, "experts"))
     handle = block.gate.register_forward_hook(lambda mod, args, out: picked.extend(out[2].tolist()))
     with torch.no_grad():
         hf(ids)
@@ -110,6 +114,23 @@ def test_quantized_experts_match_the_dequantized_model(arch, fmt, tmp_path):
     # activations, which moves these sharp tiny models' logits by ~10% (a lost scale: 100% or more).
     tolerance = 0.2 if "fp8" in fmt else 1e-4
     assert relative_l2(model(ids), expected) < tolerance
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-w8a16"])
+def test_deepseek_v3_quantized_with_latent_attention(fmt, tmp_path):
+    """DeepSeek-V3's own layout, FP8 with block scales (`weight_scale_inv`), and a weight-only one,
+    latent attention's projections included."""
+    reference = make_quantized_moe_checkpoint(tmp_path / "v3", "deepseek_v3", fmt)
+    model = runtime.compile_model(tmp_path / "v3", compile=False, progress=False, max_seq_len=64)
+    _, _, kernel = QUANTIZED[fmt]
+    assert _experts_kernels(model) == {kernel}
+    assert model.model.model.layers[1].self_attn.kv_b_proj.weight.kernel == kernel
+    ids = _ids(2, (2, 16))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    # Weight-only: exact. FP8 also quantizes the activations per token group, and that noise flips
+    # some of the sigmoid router's near-tied choices here (measured 0.33; a lost block scale: > 1).
+    assert relative_l2(model(ids), expected) < (0.5 if "fp8" in fmt else 1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +184,79 @@ def test_a_missing_expert_tensor_names_the_layer_and_the_expert(qwen2_moe, tmp_p
     save_file(state, str(broken / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"experts\.3\.gate_up_proj\.weight \(shard 1\) \(layer 0, expert 3\)"):
         runtime.compile_model(broken, compile=False, progress=False, max_seq_len=64)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_caches_the_latent_and_the_rotary_key(arch, tmp_path):
+    model = runtime.compile_model(_checkpoint(tmp_path, arch), compile=False, progress=False, max_seq_len=64,
+                                  max_batch_size=2)
+    cfg = model.model.config
+    attention = model.model.model.layers[0].self_attn
+    assert tuple(attention.latent_cache.shape) == (2, 1, 64, cfg.mla.kv_lora_rank)
+    assert tuple(attention.rope_cache.shape) == (2, 1, 64, cfg.mla.qk_rope_head_dim)
+    held = sum(b.numel() * b.element_size() for name, b in model.model.named_buffers() if name.endswith("_cache"))
+    assert held == 2 * 64 * cache_bytes_per_token(cfg, torch.float32)
+
+
+def _checkpoint(root: Path, arch: str) -> Path:
+    make_moe_checkpoint(root / arch, arch)
+    return root / arch
+
+
+def test_full_size_deepseek_caches_are_those_of_mla():
+    """The README's figures: DeepSeek-V3's own config (transformers' defaults) and V2-Lite's."""
+    import transformers
+
+    v3 = transformers.DeepseekV3Config().to_dict()
+    v2_lite = transformers.DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None,
+                                            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                            v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6).to_dict()
+    for hf, cls, layers, heads in ((v3, DeepseekV3ForCausalLM, 61, 128), (v2_lite, DeepseekV2ForCausalLM, 27, 16)):
+        cfg = cls.read_config(hf, "config.json")
+        assert cache_bytes_per_token(cfg, torch.bfloat16) == layers * (512 + 64) * 2
+        multi_head = layers * heads * (192 + 128) * 2
+        assert multi_head / cache_bytes_per_token(cfg, torch.bfloat16) == pytest.approx(
+            {61: 71.1, 27: 8.89}[layers], rel=1e-3)
+
+
+def test_deepseek_v3_skips_its_multi_token_prediction_layers(tmp_path):
+    folder = _checkpoint(tmp_path, "deepseek_v3")
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)  # the MTP layer after the 3 decoder layers
+    save_file(state, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(CheckpointError, match="unexpected tensor"):
+        runtime.compile_model(folder, compile=False, progress=False, max_seq_len=64)
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    runtime.compile_model(folder, compile=False, progress=False, max_seq_len=64)
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_cuda_layouts_swap_in_the_triton_experts_kernel(qwen2_moe, quant):
+    """With the CUDA layouts (dense, and int4 packed along K) the loader records the Triton experts
+    kernel, the swap pass puts it in place of the per-expert loop, and it computes what the loop
+    does (its kernels under Triton's interpreter)."""
+    from qrt.loaders.config import DeviceConfig
+    from qrt.passes.backend import QrtBackend
+    from qrt.runtime.compiled import own_copy
+
+    folder, _ = qwen2_moe
+    eager = runtime.compile_model(folder, quant, compile=False, progress=False, max_seq_len=64,
+                                  device_config=DeviceConfig("cpu", kernel_device="cuda"))
+    stacked = eager.model.model.layers[0].mlp.experts.gate_up_proj.weight
+    assert stacked.experts_kernel == "qrt.fused_experts_triton"
+    backend = QrtBackend("cuda-layouts", inductor=False, device="cuda")
+    traced = torch.compile(own_copy(_forward, f"moe_cuda_{quant}"), backend=backend, fullgraph=True)
+    ids = _ids(4, (2, 12))
+    with torch.no_grad():
+        got, expected = traced(eager.model, ids), eager.model(ids)
+    (graph,) = backend.log.graphs
+    swap = next(record for record in graph.passes if record.name == "swap_fused_experts")
+    assert swap.changed == SPARSE_BLOCKS["qwen2_moe"]
+    assert swap.ops_after.get("qrt.fused_experts_triton") == SPARSE_BLOCKS["qwen2_moe"]
+    assert relative_l2(got, expected) < 1e-4
+
+
+def _forward(model, ids):
+    return model(ids)

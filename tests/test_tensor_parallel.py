@@ -23,6 +23,7 @@ from arch_checkpoints import make_arch_checkpoint
 from bench.random_llama import write_random_llama
 from bench.tp import torchrun_localhost
 from format_cases import CASES
+from moe_checkpoints import make_moe_checkpoint
 from int_checkpoints import make_int_checkpoint
 from test_format_contract import TOLERANCE
 from tiny_checkpoints import make_checkpoint, relative_l2
@@ -127,7 +128,9 @@ def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_fo
 def arch_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-archs")
     folders = {"qwen2 kv=2": root / "qwen2", "qwen2 kv=1": root / "qwen2-kv1", "phi3": root / "phi3",
-               "gemma2": root / "gemma2"}
+               "gemma2": root / "gemma2", "mixtral": root / "mixtral", "qwen2_moe": root / "qwen2_moe"}
+    for moe in ("mixtral", "qwen2_moe"):  # each rank holds its part of every expert's intermediate features
+        make_moe_checkpoint(folders[moe], moe, seed=3)
     make_checkpoint(folders["qwen2 kv=2"], "qwen2", seed=1)
     make_checkpoint(folders["qwen2 kv=1"], "qwen2", seed=2, num_key_value_heads=1)
     with pytest.MonkeyPatch.context() as patch:
@@ -168,6 +171,11 @@ def test_architectures_shard_kv_heads_split_replicated_and_fused_on_disk(arch_fo
     assert [s["model.layers.0.self_attn.qkv_proj.weight"] for s in shapes] == [[64, 64], [64, 64]]
     assert [s["model.layers.0.self_attn.o_proj.weight"] for s in shapes] == [[64, 32], [64, 32]]
     assert [s["model.embed_tokens.weight"] for s in shapes] == [[192, 64], [192, 64]]  # 300 padded to 2 x 192
+    # Qwen2-MoE: 6 experts of 64 intermediate features, 32 on each rank; the router whole on both.
+    shapes = [rank["shapes"] for rank in sharded["qwen2_moe"]["ranks"]]
+    assert [s["model.layers.0.mlp.experts.gate_up_proj.weight"] for s in shapes] == [[6, 64, 64]] * 2
+    assert [s["model.layers.0.mlp.experts.down_proj.weight"] for s in shapes] == [[6, 64, 32]] * 2
+    assert [s["model.layers.0.mlp.gate.weight"] for s in shapes] == [[6, 64]] * 2
 
 
 def test_compiled_sharded_model_keeps_one_graph_per_role_on_every_rank(format_folders, sharded):

@@ -15,25 +15,53 @@ Inside, tokens are grouped by expert and each expert that received tokens runs o
 decode reads only the selected experts' weights.
 """
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .activation_reference import act_mul
-
-# experts name -> (gate_up, down): each apply(expert index, stacked tensors, x [n, K]) -> [n, N]
-ExpertApply = Callable[[int, list, torch.Tensor], torch.Tensor]
-_EXPERT_LAYERS: dict[str, tuple[ExpertApply, ExpertApply]] = {}
+from .choices import Kernel, declare
 
 
-def register_expert_layers(name: str, gate_up: ExpertApply, down: ExpertApply) -> None:
+@dataclass(frozen=True)
+class ExpertProjection:
+    """How one projection (gate_up or down) of a block's experts is stored and applied.
+
+    apply(expert index, stacked tensors, x [n, K]) -> [n, N]: the format's linear on one expert's
+    slices. names: the stacked tensors' parameter names, in the order the op receives them; kernel:
+    the linear kernel the loader pass chose for one expert's weights (its layout is what a fused
+    kernel must read); input_size: K; packed_factor and group_size: the weight's, where its layout
+    packs codes along K in groups."""
+
+    apply: Callable[[int, list, torch.Tensor], torch.Tensor]
+    names: tuple[str, ...]
+    kernel: str
+    input_size: int
+    packed_factor: int | None = None
+    group_size: int | None = None
+
+    def tensor(self, tensors: list, name: str) -> torch.Tensor | None:
+        return tensors[self.names.index(name)] if name in self.names else None
+
+
+@dataclass(frozen=True)
+class ExpertLayers:
+    gate_up: ExpertProjection
+    down: ExpertProjection
+
+
+_EXPERT_LAYERS: dict[str, ExpertLayers] = {}
+
+
+def register_expert_layers(name: str, layers: ExpertLayers) -> None:
     """Make `name` usable as fused_experts' `experts` argument. Layers whose experts share a name
     must be interchangeable (same format, layout and shapes): a compiled layer body bakes the name
     in and runs it for every layer that calls it."""
-    _EXPERT_LAYERS[name] = (gate_up, down)
+    _EXPERT_LAYERS[name] = layers
 
 
-def expert_layers(name: str) -> tuple[ExpertApply, ExpertApply]:
+def expert_layers(name: str) -> ExpertLayers:
     try:
         return _EXPERT_LAYERS[name]
     except KeyError:
@@ -45,8 +73,10 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   down: list[torch.Tensor], experts: str, activation: str) -> torch.Tensor:
     """x: [T, D]; topk_ids: [T, k] int64; topk_weights: [T, k] float. Returns [T, D] in x's dtype,
     summed in fp32."""
-    apply_gate_up, apply_down = expert_layers(experts)
+    layers = expert_layers(experts)
     tokens, k = topk_ids.shape
+    if tokens == 1:  # one sequence's decode step: no grouping to do, each chosen expert runs on x
+        return _one_token(layers, x, topk_ids, topk_weights, gate_up, down, activation)
     num_experts = gate_up[0].shape[0]
     flat_ids = topk_ids.reshape(-1)  # [T * k]
     order = torch.argsort(flat_ids, stable=True)  # routed pairs grouped by expert
@@ -60,12 +90,26 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         pairs = order[start:start + count]  # [n] indices into the T * k routed pairs
         start += count
         rows = pairs // k  # [n] the tokens routed to this expert
-        hidden = act_mul(apply_gate_up(expert, gate_up, x.index_select(0, rows)), activation)  # [n, I]
-        y = apply_down(expert, down, hidden)  # [n, D]
+        hidden = act_mul(layers.gate_up.apply(expert, gate_up, x.index_select(0, rows)), activation)  # [n, I]
+        y = layers.down.apply(expert, down, hidden)  # [n, D]
         out.index_add_(0, rows, y.float() * weights[pairs, None])
+    return out.to(x.dtype)
+
+
+def _one_token(layers: ExpertLayers, x, topk_ids, topk_weights, gate_up, down, activation: str) -> torch.Tensor:
+    out = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)  # [1, D]
+    for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].float().tolist()):
+        hidden = act_mul(layers.gate_up.apply(expert, gate_up, x), activation)  # [1, I]
+        out += layers.down.apply(expert, down, hidden).float() * weight
     return out.to(x.dtype)
 
 
 @fused_experts.register_fake
 def _(x, topk_ids, topk_weights, gate_up, down, experts, activation):
     return torch.empty_like(x)
+
+
+declare(Kernel(
+    "qrt.fused_experts", devices=("cpu", "cuda"), serves=("qrt.fused_experts",), layout="any", preference=100,
+    why="each expert that received tokens runs once on all of them, through the kernel its own weights were "
+        "laid out for"))

@@ -40,10 +40,26 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
     the weight, so the dense weight can be freed."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # mkldnn layout [N, K]
     carrier = weight.new_zeros(1).expand(weight.shape)  # [N, K], strides (0, 0)
-    address = carrier.untyped_storage().data_ptr()
+    address = carrier.data_ptr()
     _PACKED[address] = packed
     weakref.finalize(carrier.untyped_storage(), _PACKED.pop, address, None)
     return carrier
+
+
+def prepack_stacked_weights(weights: torch.Tensor) -> torch.Tensor:
+    """weights [E, N, K] (a block's experts) -> carrier [E, N, K] (strides (1, 0, 0), E elements
+    of storage) whose slice [e] is expert e's carrier: each slice starts at an address of its own,
+    under which its packed weight is kept."""
+    carrier = weights.new_zeros(weights.shape[0])[:, None, None].expand(weights.shape)  # [E, N, K]
+    for expert in range(weights.shape[0]):
+        _PACKED[carrier[expert].data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(weights[expert].detach(), None)
+    weakref.finalize(carrier.untyped_storage(), _forget, [carrier[e].data_ptr() for e in range(weights.shape[0])])
+    return carrier
+
+
+def _forget(addresses: list[int]) -> None:
+    for address in addresses:
+        _PACKED.pop(address, None)
 
 
 def is_prepacked(weight: torch.Tensor) -> bool:
@@ -56,7 +72,7 @@ def is_prepacked(weight: torch.Tensor) -> bool:
 def onednn_linear(x: torch.Tensor, carrier: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: [..., K] bf16; carrier: [N, K] from `prepack_weight`; bias: [N] or None -> [..., N]."""
     try:
-        packed = _PACKED[carrier.untyped_storage().data_ptr()]
+        packed = _PACKED[carrier.data_ptr()]
     except KeyError:
         raise RuntimeError("qrt::onednn_linear got a weight that was not prepacked by qrt's loader pass "
                            "(or whose packed copy was freed)") from None

@@ -20,7 +20,8 @@ import hashlib
 import torch
 from torch import nn
 
-from qrt.kernels.experts_reference import register_expert_layers
+from qrt.kernels.choices import choose
+from qrt.kernels.experts_reference import ExpertLayers, ExpertProjection, register_expert_layers
 
 from .errors import UnsupportedError
 from .linear import Linear, attributes_of, make_parameter
@@ -95,14 +96,16 @@ class StackedExperts(nn.Module):
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.names]
 
-    def expert_apply(self):
-        """apply(expert, stacked tensors, x) for fused_experts. It holds the template only, not this
+    def projection(self) -> ExpertProjection:
+        """What fused_experts needs to know of these experts. It holds the template only, not this
         module: the op's registry must not keep a model's weights alive."""
         template, names = self.template, self.names
 
         def apply(expert: int, tensors: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return template.quant_method.apply(ExpertSlice(template, names, tensors, expert), x)
-        return apply
+        weight = self.weight
+        return ExpertProjection(apply, names, getattr(weight, "kernel", None) or "?", template.input_size,
+                                getattr(weight, "packed_factor", None), getattr(weight, "group_size", None))
 
 
 def _signature(linear: Linear) -> tuple:
@@ -131,14 +134,19 @@ class FusedExperts(nn.Module):
                                                    names=names, scheme=scheme, dtype=dtype, parallel=parallel))
         self.name = None  # set by finish_loading: the name fused_experts finds these experts under
 
-    def finish_loading(self) -> None:
+    def finish_loading(self, device: torch.device) -> None:
         """After the loader pass: stack the experts' parameters and register them with the op."""
         experts = [self._modules.pop(str(e)) for e in range(self.num_experts)]
         self.gate_up_proj = StackedExperts([e.gate_up_proj for e in experts], f"{self.checkpoint_prefix}.*.gate_up_proj")
         self.down_proj = StackedExperts([e.down_proj for e in experts], f"{self.checkpoint_prefix}.*.down_proj")
         identity = repr((self.num_experts, self.activation, self.gate_up_proj.signature, self.down_proj.signature))
         self.name = f"{self.gate_up_proj.quant_method.name}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
-        register_expert_layers(self.name, self.gate_up_proj.expert_apply(), self.down_proj.expert_apply())
+        layers = ExpertLayers(self.gate_up_proj.projection(), self.down_proj.projection())
+        register_expert_layers(self.name, layers)
+        # The experts' own kernel: the per-expert loop, or a fused one that reads this layout
+        # (recorded for the swap pass, like a linear's weight.kernel).
+        kernel = choose("qrt.fused_experts", device.type, gate_up=layers.gate_up.kernel, down=layers.down.kernel)
+        self.gate_up_proj.weight.experts_kernel = kernel.op
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         out = torch.ops.qrt.fused_experts(x, topk_ids, topk_weights, self.gate_up_proj.tensors(),

@@ -112,7 +112,8 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     if layout == PACKED:
         layer.weight = make_parameter(pack_rows(w.q, w.bits).to(home), quant_format=what,  # [K / pf, N] int32
                                       storage_layout=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
-                                      kernel=kernel.op)
+                                      kernel=kernel.op, packed_dim=0, packed_factor=32 // w.bits,
+                                      group_size=w.group_size)
         layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(home).contiguous())  # [K / G, N]
         layer.zeros = make_parameter(_exact_dtype(w.zeros, dtype).to(home).contiguous())  # [K / G, N]
     elif layout == INT4PACK:

@@ -35,9 +35,11 @@ KNOWN_ATTRIBUTES = frozenset(
         "output_dim",  # dim that runs along the output features (N)
         "packed_dim",  # dim holding packed sub-byte values, if any
         "packed_factor",  # values per stored element along packed_dim
+        "group_size",  # input channels per quantization group of a grouped layout
         "quant_format",  # e.g. "fp8", "bf16"
         "storage_layout",  # storage layout after the loader pass, e.g. "fp8_e4m3 [N, K]"
         "kernel",  # the kernel op the layout was made for (qrt.kernels.choices), set by the loader pass
+        "experts_kernel",  # stacked experts (experts.py): the op that runs them all, for the swap pass
         "optional",  # loaded when the checkpoint has it; the format's loader pass decides if it must
         "loaded_shape",  # shape of the tensor the weight_loader takes, when not the parameter's own
     }
@@ -262,6 +264,7 @@ class CheckpointNames:
       ".q_proj.", "q"): checkpoints store q/k/v and gate/up apart, qrt runs each group as one matmul;
     renamed: (checkpoint suffix, parameter suffix) for tensors other exporters name otherwise;
     ignored_suffixes: checkpoint tensors that carry nothing qrt needs (derived buffers);
+    ignored_prefixes: modules of the checkpoint qrt does not run (DeepSeek-V3's multi-token prediction);
     tied: checkpoint tensors that alias another one in this model and are skipped;
     copies: parameter -> other parameters loaded from the same checkpoint tensor (a tied lm_head
       quantized online has a weight of its own, quantized from the embeddings as they stream in).
@@ -270,6 +273,7 @@ class CheckpointNames:
     stacked: tuple = ()
     renamed: tuple = ()
     ignored_suffixes: tuple = ()
+    ignored_prefixes: tuple = ()
     tied: tuple = ()
     copies: dict = field(default_factory=dict)
 
@@ -284,7 +288,7 @@ class CheckpointNames:
         return name, None
 
     def skipped(self, name: str) -> bool:
-        return name in self.tied or name.endswith(self.ignored_suffixes)
+        return name in self.tied or name.endswith(self.ignored_suffixes) or name.startswith(self.ignored_prefixes)
 
 
 # Checkpoint names of FP8 KV-cache scales -> the attention-level names qrt loads them under.

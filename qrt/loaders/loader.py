@@ -204,4 +204,4 @@ def run_loader_pass(model: nn.Module, device: torch.device) -> None:
     # experts of a mixture-of-experts block stack theirs, experts.py).
     for module in list(model.modules()):
         if hasattr(module, "finish_loading"):
-            module.finish_loading()
+            module.finish_loading(device)

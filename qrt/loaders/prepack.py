@@ -7,8 +7,9 @@ in Inductor); eager models keep their dense weights so that eager mode stays the
 from torch import nn
 
 from qrt.kernels.choices import kernel_named
-from qrt.kernels.onednn_cpu import onednn_prepack_supported, prepack_weight
+from qrt.kernels.onednn_cpu import onednn_prepack_supported, prepack_stacked_weights, prepack_weight
 
+from .experts import StackedExperts
 from .linear import replace_parameter
 
 
@@ -19,6 +20,9 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     packed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
+        if isinstance(module, StackedExperts):
+            packed += _prepack_experts(module)
+            continue
         if (getattr(module, "quant_method", None) is None or weight is None or weight.dim() != 2
                 or weight.device.type != "cpu" or not kernel_named(weight.kernel).prepackable
                 or not onednn_prepack_supported(weight.dtype)):
@@ -31,3 +35,14 @@ def prepack_cpu_weights(model: nn.Module) -> int:
                           storage_layout=f"{layout}, prepacked for oneDNN (qrt.onednn_linear)")
         packed += 1
     return packed
+
+
+def _prepack_experts(experts: StackedExperts) -> int:
+    """A block's dense experts [E, N, K]: one prepacked weight per expert behind one carrier."""
+    weight = experts.weight
+    if (weight.device.type != "cpu" or weight.kernel != "aten.linear" or "weight" not in experts.names
+            or not onednn_prepack_supported(weight.dtype)):
+        return 0
+    replace_parameter(experts, "weight", prepack_stacked_weights(weight.data),
+                      storage_layout=f"{weight.storage_layout}, prepacked for oneDNN per expert")
+    return weight.shape[0]

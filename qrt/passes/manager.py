@@ -6,9 +6,10 @@ import torch.fx
 
 from .base import GraphPass, count_ops, graph_code, graph_modules, input_values
 from .fuse_act_quant import FuseActivationQuant
+from .swap_experts import SwapFusedExperts
 from .swap_linear import SwapQuantizedLinear
 
-DEFAULT_PASSES: tuple[type[GraphPass], ...] = (SwapQuantizedLinear,)
+DEFAULT_PASSES: tuple[type[GraphPass], ...] = (SwapQuantizedLinear, SwapFusedExperts)
 # CUDA graphs also get the passes that emit Triton kernels. On the CPU, Inductor already fuses
 # what FuseActivationQuant fuses (the quantization is part of a composite CPU kernel).
 CUDA_PASSES: tuple[type[GraphPass], ...] = DEFAULT_PASSES + (FuseActivationQuant,)

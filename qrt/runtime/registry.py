@@ -2,6 +2,7 @@
 
 from qrt.loaders.errors import ConfigError, UnsupportedError
 
+from .models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from .models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from .models.llama import LlamaForCausalLM
 from .models.mistral import MistralForCausalLM
@@ -15,7 +16,8 @@ class ModelRegistry:
     _models = {
         cls.__name__: cls
         for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
-                    Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
+                    Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
+                    DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
     }
 
     @classmethod

@@ -38,6 +38,33 @@ class MoEConfig:
     norm_topk_prob: bool  # renormalize the top-k routing weights to sum to one
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # sigmoid(gate(x)) scales the shared expert (Qwen2-MoE)
+    # DeepSeek's routers: experts in n_group groups of which the tokens' best topk_group are open
+    # to them, and the routing weights scaled by routed_scaling_factor.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values are expanded from a cached
+    latent of kv_lora_rank features, plus one rotary key of qk_rope_head_dim shared by the heads."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite), else q_a -> norm -> q_b
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool  # the rotary dims are stored as interleaved pairs (x0, x1), (x2, x3), ...
+    attention_bias: bool = False  # q_a_proj, kv_a_proj_with_mqa and o_proj have biases
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def cache_features_per_token(self) -> int:
+        """Values one layer caches per token: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_logit_softcap: float | None = None  # the same on the output logits
     moe: "MoEConfig | None" = None  # mixture-of-experts families (models/moe.py)
+    mla: "MLAConfig | None" = None  # multi-head latent attention (models/mla.py)
     parallel: Parallelism = SINGLE  # the tensor-parallel group the model is built for (not from config.json)
 
     @classmethod

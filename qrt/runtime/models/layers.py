@@ -324,14 +324,15 @@ class DecoderLayer(nn.Module):
     norm_cls = RMSNorm
     fused_checkpoint = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
     mlp_name = "mlp"  # the checkpoint's name of the feed-forward block (Mixtral: block_sparse_moe)
+    attention_cls = Attention  # DeepSeek: multi-head latent attention (models/mla.py)
 
     def __init__(self, cfg: ModelConfig, index: int, scheme, dtype):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.sliding = cfg.layer_types[index] == SLIDING_ATTENTION  # the model picks its mask and RoPE by this
         self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", scheme, dtype, norm_cls=self.norm_cls,
-                                   fused_checkpoint=self.fused_checkpoint)
+        self.self_attn = self.attention_cls(cfg, f"{prefix}.self_attn", scheme, dtype, norm_cls=self.norm_cls,
+                                            fused_checkpoint=self.fused_checkpoint)
         self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         setattr(self, self.mlp_name, self.make_mlp(cfg, index, f"{prefix}.{self.mlp_name}", scheme, dtype))
 
