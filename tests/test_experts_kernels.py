@@ -19,7 +19,7 @@ def _dense(gen, experts, n, k, dtype):
 
     def apply(e, tensors, x):
         return F.linear(x, tensors[0][e])
-    return [weight], ExpertProjection(apply, ("weight",), "aten.linear", k)
+    return [weight], ExpertProjection(apply, apply, ("weight",), "aten.linear", k)
 
 
 def _packed(gen, experts, n, k, dtype, bits, group, act_order):
@@ -35,7 +35,7 @@ def _packed(gen, experts, n, k, dtype, bits, group, act_order):
     def apply(e, ts, x):
         perm = ts[3][e] if act_order else None
         return torch.ops.qrt.int_linear(x, ts[0][e], ts[1][e], ts[2][e], perm, None, bits, group)
-    return tensors, ExpertProjection(apply, names, "qrt.int_linear_triton", k, 32 // bits, group)
+    return tensors, ExpertProjection(apply, apply, names, "qrt.int_linear_triton", k, 32 // bits, group)
 
 
 def _routing(gen, tokens, experts, top_k, skew):

@@ -29,12 +29,13 @@ class ExpertProjection:
     """How one projection (gate_up or down) of a block's experts is stored and applied.
 
     apply(expert index, stacked tensors, x [n, K]) -> [n, N]: the format's linear on one expert's
-    slices. names: the stacked tensors' parameter names, in the order the op receives them; kernel:
+    slices, through its logical op; apply_kernel: the same through the kernel its loader pass chose. names: the stacked tensors' parameter names, in the order the op receives them; kernel:
     the linear kernel the loader pass chose for one expert's weights (its layout is what a fused
     kernel must read); input_size: K; packed_factor and group_size: the weight's, where its layout
     packs codes along K in groups."""
 
     apply: Callable[[int, list, torch.Tensor], torch.Tensor]
+    apply_kernel: Callable[[int, list, torch.Tensor], torch.Tensor]  # the same through the chosen kernel
     names: tuple[str, ...]
     kernel: str
     input_size: int
@@ -72,36 +73,17 @@ def expert_layers(name: str) -> ExpertLayers:
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: list[torch.Tensor],
                   down: list[torch.Tensor], experts: str, activation: str) -> torch.Tensor:
     """x: [T, D]; topk_ids: [T, k] int64; topk_weights: [T, k] float. Returns [T, D] in x's dtype,
-    summed in fp32."""
-    layers = expert_layers(experts)
-    tokens, k = topk_ids.shape
-    if tokens == 1:  # one sequence's decode step: no grouping to do, each chosen expert runs on x
-        return _one_token(layers, x, topk_ids, topk_weights, gate_up, down, activation)
-    num_experts = gate_up[0].shape[0]
-    flat_ids = topk_ids.reshape(-1)  # [T * k]
-    order = torch.argsort(flat_ids, stable=True)  # routed pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    weights = topk_weights.reshape(-1).float()  # [T * k]
-    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, D]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]  # [n] indices into the T * k routed pairs
-        start += count
-        rows = pairs // k  # [n] the tokens routed to this expert
-        hidden = act_mul(layers.gate_up.apply(expert, gate_up, x.index_select(0, rows)), activation)  # [n, I]
-        y = layers.down.apply(expert, down, hidden)  # [n, D]
-        out.index_add_(0, rows, y.float() * weights[pairs, None])
-    return out.to(x.dtype)
+    summed in fp32. Each expert runs through its format's logical ops (the reference)."""
+    return run_experts(x, topk_ids, topk_weights, gate_up, down, expert_layers(experts), activation, kernels=False)
 
 
-def _one_token(layers: ExpertLayers, x, topk_ids, topk_weights, gate_up, down, activation: str) -> torch.Tensor:
-    out = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)  # [1, D]
-    for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].float().tolist()):
-        hidden = act_mul(layers.gate_up.apply(expert, gate_up, x), activation)  # [1, I]
-        out += layers.down.apply(expert, down, hidden).float() * weight
-    return out.to(x.dtype)
+@torch.library.custom_op("qrt::fused_experts_kernels", mutates_args=())
+def fused_experts_kernels(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          gate_up: list[torch.Tensor], down: list[torch.Tensor], experts: str,
+                          activation: str) -> torch.Tensor:
+    """fused_experts with each expert through the kernel its loader pass chose for its weights,
+    where the reference runs that kernel's logical op (what the swap pass does to a linear)."""
+    return run_experts(x, topk_ids, topk_weights, gate_up, down, expert_layers(experts), activation, kernels=True)
 
 
 @fused_experts.register_fake
@@ -109,7 +91,45 @@ def _(x, topk_ids, topk_weights, gate_up, down, experts, activation):
     return torch.empty_like(x)
 
 
+@fused_experts_kernels.register_fake
+def _(x, topk_ids, topk_weights, gate_up, down, experts, activation):
+    return torch.empty_like(x)
+
+
+def run_experts(x, topk_ids, topk_weights, gate_up, down, layers: ExpertLayers, activation: str, *,
+                kernels: bool) -> torch.Tensor:
+    """The loop both ops share: tokens grouped by expert, each expert that received tokens run once
+    on all of them."""
+    up_proj, down_proj = layers.gate_up, layers.down
+    apply_up = up_proj.apply_kernel if kernels else up_proj.apply
+    apply_down = down_proj.apply_kernel if kernels else down_proj.apply
+    tokens, k = topk_ids.shape
+    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, D]
+    if tokens == 1:  # one sequence's decode step: no grouping to do, each chosen expert runs on x
+        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].float().tolist()):
+            hidden = act_mul(apply_up(expert, gate_up, x), activation)  # [1, I]
+            out += apply_down(expert, down, hidden).float() * weight
+        return out.to(x.dtype)
+    num_experts = gate_up[0].shape[0]
+    flat_ids = topk_ids.reshape(-1)  # [T * k]
+    order = torch.argsort(flat_ids, stable=True)  # routed pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    weights = topk_weights.reshape(-1).float()  # [T * k]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]  # [n] indices into the T * k routed pairs
+        start += count
+        rows = pairs // k  # [n] the tokens routed to this expert
+        hidden = act_mul(apply_up(expert, gate_up, x.index_select(0, rows)), activation)  # [n, I]
+        y = apply_down(expert, down, hidden)  # [n, D]
+        out.index_add_(0, rows, y.float() * weights[pairs, None])
+    return out.to(x.dtype)
+
+
 declare(Kernel(
-    "qrt.fused_experts", devices=("cpu", "cuda"), serves=("qrt.fused_experts",), layout="any", preference=100,
+    "qrt.fused_experts_kernels", devices=("cpu", "cuda"), serves=("qrt.fused_experts",), replaces="qrt.fused_experts",
+    layout="any", preference=100,
     why="each expert that received tokens runs once on all of them, through the kernel its own weights were "
         "laid out for"))

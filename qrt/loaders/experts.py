@@ -12,15 +12,19 @@ Experts are one more use of the quantized-linear contract (linear.py), not a sec
   compiled graph then passes a handful of tensors per layer to `qrt::fused_experts`
   (kernels/experts_reference.py) instead of 3 * E weights.
 - The op applies expert e by handing the format's own `LinearMethod.apply` a view of expert e's
-  slices (`ExpertSlice`): the kernel that one expert's loader pass chose runs on it.
+  slices (`ExpertSlice`). Its reference (`qrt::fused_experts`, eager) runs the format's logical op;
+  in a compiled graph the swap pass puts `qrt::fused_experts_kernels` there, which runs the kernel
+  that one expert's loader pass chose (`KernelInPlaceOfLogicalOp`), or a fused experts kernel where
+  one reads the layout (`qrt::fused_experts_triton` on CUDA).
 """
 
 import hashlib
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from qrt.kernels.choices import choose
+from qrt.kernels.choices import Kernel, choose, kernel_named
 from qrt.kernels.experts_reference import ExpertLayers, ExpertProjection, register_expert_layers
 
 from .errors import UnsupportedError
@@ -103,9 +107,51 @@ class StackedExperts(nn.Module):
 
         def apply(expert: int, tensors: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return template.quant_method.apply(ExpertSlice(template, names, tensors, expert), x)
+
         weight = self.weight
-        return ExpertProjection(apply, names, getattr(weight, "kernel", None) or "?", template.input_size,
+        kernel = getattr(weight, "kernel", None) or "?"
+        substitution = KernelInPlaceOfLogicalOp(kernel_named(kernel)) if kernel != "?" else None
+
+        def apply_kernel(expert: int, tensors: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            if substitution is None or not substitution.active:
+                return apply(expert, tensors, x)
+            with substitution:
+                return apply(expert, tensors, x)
+
+        return ExpertProjection(apply, apply_kernel, names, kernel, template.input_size,
                                 getattr(weight, "packed_factor", None), getattr(weight, "group_size", None))
+
+
+class KernelInPlaceOfLogicalOp(TorchFunctionMode):
+    """While active, a call of the logical op that `kernel` replaces runs `kernel` instead: what
+    the swap pass does to a linear in a compiled graph, done here for the expert linears that run
+    inside the experts op, where no graph pass reaches. Inactive for kernels that the layer calls
+    itself (opaque layouts) or that replace nothing."""
+
+    def __init__(self, kernel: Kernel):
+        super().__init__()
+        self.replaced = kernel.replaces
+        self.active = kernel.replaces is not None and kernel.op != kernel.replaces
+        self.kernel = _op(kernel.op) if self.active else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _op_name(func) == self.replaced:
+            return self.kernel(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _op(name: str):
+    namespace, op = name.split(".")
+    return getattr(getattr(torch.ops, namespace), op)
+
+
+def _op_name(func) -> str | None:
+    """'qrt.fp8_linear' for the op packet or an overload of it, None for anything else."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return schema.name.replace("::", ".")
+    qualified = getattr(func, "_qualified_op_name", None)
+    return qualified.replace("::", ".") if qualified else None
 
 
 def _signature(linear: Linear) -> tuple:

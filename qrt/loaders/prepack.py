@@ -38,9 +38,10 @@ def prepack_cpu_weights(model: nn.Module) -> int:
 
 
 def _prepack_experts(experts: StackedExperts) -> int:
-    """A block's dense experts [E, N, K]: one prepacked weight per expert behind one carrier."""
+    """A block's experts whose kernel reaches a dense weight [E, N, K] through dense_linear (bf16,
+    widened fp8): one prepacked weight per expert behind one carrier."""
     weight = experts.weight
-    if (weight.device.type != "cpu" or weight.kernel != "aten.linear" or "weight" not in experts.names
+    if (weight.device.type != "cpu" or weight.dim() != 3 or not kernel_named(weight.kernel).prepackable
             or not onednn_prepack_supported(weight.dtype)):
         return 0
     replace_parameter(experts, "weight", prepack_stacked_weights(weight.data),

@@ -1,6 +1,8 @@
 """Put each mixture-of-experts block's experts kernel in the graph: the one its loader recorded on
 the stacked experts' weight (`experts_kernel`, experts.py), in place of `qrt::fused_experts`, the
-per-expert loop the layers call.
+reference the layers call (each expert through its format's logical ops). On the CPU that is
+`qrt::fused_experts_kernels` (each expert through the kernel its weights were laid out for), on
+CUDA `qrt::fused_experts_triton` where it reads the layout.
 
 Like the linear swap pass, it makes no choice of its own: it reads the real stacked weight the graph
 is run with and carries out what the loader chose for that layout and device.
@@ -25,9 +27,11 @@ class SwapFusedExperts(GraphPass):
         for node in gm.graph.nodes:
             if node.op != "call_function" or target_name(node.target) != FUSED_EXPERTS:
                 continue
-            first_weight = node.args[3][0]  # gate_up's first stacked tensor: the weight
-            weights = (values or {}).get(first_weight, [])
-            kernels = {getattr(w, "experts_kernel", None) for w in weights}
+            # The stacked gate_up tensor that carries the record: the weight, wherever the format
+            # put it among its parameters.
+            stacked = [value for operand in node.args[3] for value in (values or {}).get(operand, [])]
+            weights = [value for value in stacked if getattr(value, "experts_kernel", None) is not None]
+            kernels = {w.experts_kernel for w in weights}
             if len(kernels) > 1:
                 raise RuntimeError(f"{node.name}: layers sharing one compiled body were given different experts "
                                    f"kernels {sorted(map(str, kernels))}")
