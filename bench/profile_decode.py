@@ -38,7 +38,8 @@ import torch  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 
 from bench.measure import log, machine_state, positive_int, print_machine_state, prompt_ids  # noqa: E402
-from bench.roofline import cached_bandwidth, roofline_tok_s, weight_bytes_per_token  # noqa: E402
+from bench.roofline import (cached_bandwidth, expert_weight_bytes, experts_read_fraction, roofline_tok_s,  # noqa: E402
+                            weight_bytes_per_token)
 from bench.quants import QUANTS  # noqa: E402
 
 MATMUL_MARKERS = ("linear", "mm", "gemm", "int4pack", "int8pack", "qrt::")
@@ -126,6 +127,10 @@ def main() -> None:
 
     bandwidth = cached_bandwidth(remeasure=True)["gb_s"]  # today's: this machine's speed varies by day
     weight_bytes = weight_bytes_per_token(model.model, model.model.model.embed_tokens.weight)
+    moe = model.model.config.moe
+    if moe is not None:  # a step of one token reads top_k of the experts (bench/roofline.py)
+        experts = expert_weight_bytes(model.model)
+        weight_bytes = round(weight_bytes - experts + experts * experts_read_fraction(moe.num_experts, moe.top_k, 1))
     roofline = roofline_tok_s(bandwidth, weight_bytes, 1)
     print(f"\ndecode step: {plain * 1e3:.2f} ms without the profiler (median of {args.steps}), "
           f"{profiled * 1e3:.2f} ms under it: {1 / plain:.1f} tok/s")
