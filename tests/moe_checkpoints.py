@@ -15,8 +15,13 @@ from safetensors.torch import load_file, save_file
 import fp8_checkpoints as fp8
 from int_checkpoints import awq_tensors, ct_config, ct_tensors, gptq_tensors
 from tiny_checkpoints import TINY
+from w8a8_checkpoints import _int8_weight, ct_w8a8_config
 
 ROUTER_SCALE = 8.0
+# Sigmoid routing (DeepSeek-V3) saturates when its logits are scaled up far, and saturated scores
+# tie; a mild scale and a small correction bias keep its choices apart in bf16 (tried: 8x, or 1x
+# with a bias of std 0.3, flip choices between bf16 and fp32 runs; 2x with 0.02 does not).
+SIGMOID_ROUTER_SCALE, CORRECTION_BIAS_STD = 2.0, 0.02
 _MOE_TINY = dict(TINY, initializer_range=0.1)
 
 MOE_ARCHS = {
@@ -65,10 +70,10 @@ def make_moe_checkpoint(folder: Path, arch: str, *, seed: int = 0, dtype=torch.f
             elif name.endswith(".bias"):
                 param.copy_(torch.randn_like(param) * 0.1)
             elif is_router(name.removesuffix(".weight")):
-                param.mul_(ROUTER_SCALE)
+                param.mul_(SIGMOID_ROUTER_SCALE if arch == "deepseek_v3" else ROUTER_SCALE)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would not test it
-                buffer.copy_(torch.randn_like(buffer) * 0.1)
+                buffer.copy_(torch.randn_like(buffer) * CORRECTION_BIAS_STD)
     model.to(dtype).save_pretrained(str(folder), safe_serialization=True)
     return model.float()
 
@@ -131,6 +136,11 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "ge
               "modules_to_not_convert": None}
 _ROUTERS_IGNORED = ("lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$")
 
+def _ct_w8a8(w, seed=0):
+    q, scale, dequantized = _int8_weight(w, "channel")
+    return {"weight": q, "weight_scale": scale}, dequantized
+
+
 # name -> (tensors(w, seed) -> ({suffix: tensor}, dequantized [N, K]), quantization_config, CPU kernel of the experts)
 QUANTIZED = {
     "gptq-4bit-act-order-asym": (*_gptq(4, 32, False, True), "qrt.int4pack_linear"),
@@ -140,6 +150,7 @@ QUANTIZED = {
                  "qrt.int4pack_linear"),
     "ct-w8a16": (lambda w, seed=0: ct_tensors(w, bits=8, group_size=-1),
                  ct_config(bits=8, group_size=-1, ignore=_ROUTERS_IGNORED), "qrt.int8pack_linear"),
+    "ct-w8a8": (_ct_w8a8, ct_w8a8_config(ignore=_ROUTERS_IGNORED), "qrt.int8_linear_cpu"),
     "fp8-block": (*_fp8_tensors("hf-fp8-block"), "qrt.fp8_block_linear_cpu"),
     "ct-fp8-channel": (*_fp8_tensors("ct-fp8-channel-dynamic"), "qrt.fp8_linear_cpu"),
     "modelopt-fp8-tensor": (*_fp8_tensors("modelopt-fp8"), "qrt.fp8_static_linear_cpu"),
