@@ -6,8 +6,12 @@ Each expert is a gated MLP whose two projections are quantized linears of the ch
 The op receives the experts' weights stacked, one tensor [E, ...] per parameter of a projection,
 and a name (`experts`) under which the loader registered how one expert's slice of those tensors
 is applied: the format's own linear (loaders/experts.py). So every format that runs a linear layer
-runs experts, with the kernel its loader pass chose for one expert's weights (ATen's int4/int8
-packs on the CPU, oneDNN for dense ones).
+runs experts. Two ops share the loop:
+- `qrt::fused_experts`, the reference the layers call (and eager mode runs): each expert through
+  its format's logical ops;
+- `qrt::fused_experts_kernels`, which the swap pass puts in compiled graphs: each expert through
+  the kernel its loader pass chose (ATen's int4/int8 packs on the CPU, oneDNN for dense ones).
+On CUDA a grouped Triton GEMM can take their place (experts_triton.py).
 
 The routing is data, not control flow: to the compiled graph the op is opaque (an extern call with
 a fixed output shape), so which experts a token picks never causes a recompile or a graph break.

@@ -94,6 +94,7 @@ def qwen_moe_config(read: ConfigReader, num_layers: int) -> MoEConfig:
     experts = read.integer("num_experts" if "num_experts" in read.hf else "num_local_experts", minimum=0)
     sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     return MoEConfig(
+        # num_experts 0 makes every layer dense; the block's sizes then describe nothing that is built.
         num_experts=max(experts, 1), top_k=top_k(read, experts), sparse_layers=sparse,
         expert_intermediate_size=read.positive_int("moe_intermediate_size"),
         norm_topk_prob=read.boolean("norm_topk_prob", False),
