@@ -41,9 +41,10 @@ class Moe:
         return self.models["compiled"]
 
 
-# Compiled in the default run: two kinds of layer (Qwen2-MoE's dense layer 1) and latent
-# attention; the other families compile in `make test-slow`, and all of them run eagerly below.
-COMPILED_BY_DEFAULT = ("qwen2_moe", "deepseek_v3")
+# Compiled in the default run: DeepSeek-V3, whose dense layer 0 and sparse layers are two kinds of
+# layer, with latent attention; the other families compile in `make test-slow`, and all of them run
+# eagerly below.
+COMPILED_BY_DEFAULT = ("deepseek_v3",)
 
 
 @pytest.fixture(scope="module", params=[arch if arch in COMPILED_BY_DEFAULT else pytest.param(arch, marks=pytest.mark.slow)
@@ -133,8 +134,13 @@ def _experts_kernels(model) -> set:
     return {p.kernel for n, p in model.model.named_parameters() if ".experts." in n and n.endswith(".weight")}
 
 
-@pytest.mark.parametrize("fmt", list(QUANTIZED))
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+# Each format on one of the two layouts of expert names (Mixtral's w1/w3/w2, Qwen2-MoE's with its
+# shared expert), alternating; the other pairing runs in `make test-slow`.
+FORMAT_CASES = [pytest.param(arch, fmt, marks=[pytest.mark.slow] if (i + j) % 2 else [])
+                for i, fmt in enumerate(QUANTIZED) for j, arch in enumerate(("mixtral", "qwen2_moe"))]
+
+
+@pytest.mark.parametrize("arch,fmt", FORMAT_CASES)
 def test_quantized_experts_match_the_dequantized_model(arch, fmt, tmp_path):
     """Experts stored in each format (Mixtral's w1/w2/w3 names, Qwen2-MoE's shared expert) load
     into their kernel's layout and compute what the dequantized checkpoint does in transformers."""
@@ -269,8 +275,10 @@ def test_deepseek_v3_skips_its_multi_token_prediction_layers(tmp_path):
 
 @pytest.mark.parametrize("quant,kernel_device,kernel", [
     (None, "cuda", "qrt.fused_experts_triton"), ("int4", "cuda", "qrt.fused_experts_triton"),
-    ("fp8", "cuda", "qrt.fused_experts_kernels"),  # fp8 experts: each through its Triton fp8 linear
-    ("fp8", "cpu", "qrt.fused_experts_kernels"), ("w8a8", "cpu", "qrt.fused_experts_kernels")])
+    # fp8 experts on CUDA: each through its Triton fp8 linear
+    pytest.param("fp8", "cuda", "qrt.fused_experts_kernels", marks=pytest.mark.slow),
+    ("fp8", "cpu", "qrt.fused_experts_kernels"),
+    pytest.param("w8a8", "cpu", "qrt.fused_experts_kernels", marks=pytest.mark.slow)])
 def test_the_swap_pass_puts_the_recorded_experts_kernel_in_place(qwen2_moe, quant, kernel_device, kernel):
     """The loader records the experts kernel for the layout it made (with the CUDA layouts: the
     Triton experts kernel where it reads them), the swap pass puts it in place of the reference
@@ -321,3 +329,29 @@ def test_the_kernels_loop_runs_each_experts_chosen_kernel(qwen2_moe, quant, subs
     args = (x, ids, weights, experts.gate_up_proj.tensors(), experts.down_proj.tensors(), experts.name, "silu")
     reference, kernels = torch.ops.qrt.fused_experts(*args), torch.ops.qrt.fused_experts_kernels(*args)
     assert relative_l2(kernels, reference) < 1e-3
+
+
+def test_bf16_experts_are_prepacked_one_carrier_per_block(tmp_path):
+    """Compiled CPU builds prepack dense experts for oneDNN: expert e's slice of the block's
+    carrier finds expert e's packed weight, and the experts compute what the dense ones do."""
+    from qrt.kernels.onednn_cpu import is_prepacked, onednn_prepack_supported
+    from qrt.loaders.prepack import prepack_cpu_weights
+
+    if not onednn_prepack_supported(torch.bfloat16):
+        pytest.skip("this CPU has no bf16 oneDNN linear")
+    make_moe_checkpoint(tmp_path / "m", "qwen2_moe", dtype=torch.bfloat16)
+    model = runtime.compile_model(tmp_path / "m", compile=False, progress=False, max_seq_len=64)
+    experts = model.model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    weights, ids = torch.randn(5, 6, generator=gen).softmax(-1).topk(2, dim=-1)
+
+    def run(op):
+        return op(x, ids, weights, experts.gate_up_proj.tensors(), experts.down_proj.tensors(), experts.name, "silu")
+
+    dense = run(torch.ops.qrt.fused_experts_kernels)
+    prepack_cpu_weights(model.model)
+    carrier = experts.gate_up_proj.weight
+    assert carrier.shape == (6, 128, 64) and carrier.stride() == (1, 0, 0) and is_prepacked(carrier[3])
+    # The same bf16 products, summed by another GEMM implementation.
+    assert relative_l2(run(torch.ops.qrt.fused_experts_kernels), dense) < 1e-2
