@@ -82,6 +82,13 @@ def test_one_graph_per_function_and_no_decode_recompiles(arch):
     assert_one_graph_per_role(model)
 
 
+# Online fp8 compiles a second model per family: Qwen3 and Phi-3 (fused on disk, partial rotary) in
+# the default run, every family in `make test-slow`.
+FP8_BY_DEFAULT = ("qwen3", "phi3")
+
+
+@pytest.mark.parametrize("arch", [name if name in FP8_BY_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in ARCHS], indirect=True)
 def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     model = arch.compiled("fp8")
     model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
