@@ -14,7 +14,7 @@ import torch.fx
 from qrt.kernels.choices import kernel_named
 
 from .base import GraphPass, target_name
-from .swap_linear import KernelChoice, resolve_op
+from .swap_linear import KernelChoice, recorded_kernel, resolve_op, weight_facts
 
 FUSED_EXPERTS = "qrt.fused_experts"
 
@@ -31,12 +31,7 @@ class SwapFusedExperts(GraphPass):
             # put it among its parameters.
             stacked = [value for operand in node.args[3] for value in (values or {}).get(operand, [])]
             weights = [value for value in stacked if getattr(value, "experts_kernel", None) is not None]
-            kernels = {w.experts_kernel for w in weights}
-            if len(kernels) > 1:
-                raise RuntimeError(f"{node.name}: layers sharing one compiled body were given different experts "
-                                   f"kernels {sorted(map(str, kernels))}")
-            chosen = kernels.pop() if kernels else None
-            example = weights[0] if weights else None
+            chosen = recorded_kernel(weights, "experts_kernel")
             if chosen is None:
                 kernel, reason = FUSED_EXPERTS, "no experts kernel recorded by the loader; kept the op as called"
             else:
@@ -49,9 +44,7 @@ class SwapFusedExperts(GraphPass):
                                            f"this process (is Triton installed?)")
                     node.target = op
                     changed += 1
-            shape = tuple(example.shape) if example is not None else ()
-            dtype = str(example.dtype).removeprefix("torch.") if example is not None else "?"
-            device = example.device.type if example is not None else "?"
+            shape, dtype, device = weight_facts(weights)
             report.kernel_choices += [KernelChoice(node.name, FUSED_EXPERTS, kernel, reason, shape, dtype, device)] * calls
         if changed:
             gm.graph.lint()

@@ -37,14 +37,22 @@ def resolve_op(name: str):
         return None
 
 
-def recorded_kernel(weights: list) -> str | None:
-    """The kernel the loader pass recorded on a call's weights (one per layer calling a nested
-    region's body), or None when they carry none. Layers sharing a body must agree."""
-    kernels = {getattr(w, "kernel", None) for w in weights}
+def recorded_kernel(weights: list, attribute: str = "kernel") -> str | None:
+    """The kernel the loader pass recorded (as `attribute`) on a call's weights (one per layer
+    calling a nested region's body), or None when they carry none. Layers sharing a body must agree."""
+    kernels = {getattr(w, attribute, None) for w in weights}
     if len(kernels) > 1:
         raise RuntimeError(f"layers sharing one compiled body were given different kernels {sorted(map(str, kernels))}"
                            f"; their weights have the same shapes but different layouts")
     return kernels.pop() if kernels else None
+
+
+def weight_facts(weights: list) -> tuple[tuple, str, str]:
+    """(shape, dtype, device type) of a call's first weight, for the report; unknown ones blank."""
+    if not weights:
+        return (), "?", "?"
+    example = weights[0]
+    return tuple(example.shape), str(example.dtype).removeprefix("torch."), example.device.type
 
 
 class SwapQuantizedLinear(GraphPass):
@@ -60,10 +68,7 @@ class SwapQuantizedLinear(GraphPass):
             weight_node = node.args[1]
             weights = (values or {}).get(weight_node, [])
             chosen = recorded_kernel(weights)
-            example = weights[0] if weights else None
-            shape = tuple(example.shape) if example is not None else ()
-            dtype = str(example.dtype).removeprefix("torch.") if example is not None else "?"
-            device = example.device.type if example is not None else "?"
+            shape, dtype, device = weight_facts(weights)
             if chosen is None:
                 kernel, reason = called, "no kernel recorded on the weight by a loader pass; kept the op as called"
             else:
