@@ -54,3 +54,11 @@ def random_rows(m: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 
     """[M, K] standard-normal activations plus shift (off-centre rows, for asymmetric
     quantization), in dtype on the CPU."""
     return (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) + shift).to(dtype)
+
+
+def fp8_cpu_kernel(logical: str) -> str:
+    """The CPU kernel the loader pass chooses for an fp8 logical op ("qrt.fp8_linear"): qrt's own,
+    on fp8 weights, where it builds here; otherwise the one on weights widened to the model dtype."""
+    from qrt.kernels import native_cpu
+
+    return f"{logical}_native_cpu" if native_cpu.available() else f"{logical}_cpu"

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import fp8_checkpoints as fp8
 from int_checkpoints import awq_tensors, ct_config, ct_tensors, gptq_tensors
+from kernel_checks import fp8_cpu_kernel
 from tiny_checkpoints import TINY
 from w8a8_checkpoints import _int8_weight, ct_w8a8_config
 
@@ -151,9 +152,9 @@ QUANTIZED = {
     "ct-w8a16": (lambda w, seed=0: ct_tensors(w, bits=8, group_size=-1),
                  ct_config(bits=8, group_size=-1, ignore=_ROUTERS_IGNORED), "qrt.int8pack_linear"),
     "ct-w8a8": (_ct_w8a8, ct_w8a8_config(ignore=_ROUTERS_IGNORED), "qrt.int8_linear_cpu"),
-    "fp8-block": (*_fp8_tensors("hf-fp8-block"), "qrt.fp8_block_linear_cpu"),
-    "ct-fp8-channel": (*_fp8_tensors("ct-fp8-channel-dynamic"), "qrt.fp8_linear_cpu"),
-    "modelopt-fp8-tensor": (*_fp8_tensors("modelopt-fp8"), "qrt.fp8_static_linear_cpu"),
+    "fp8-block": (*_fp8_tensors("hf-fp8-block"), fp8_cpu_kernel("qrt.fp8_block_linear")),
+    "ct-fp8-channel": (*_fp8_tensors("ct-fp8-channel-dynamic"), fp8_cpu_kernel("qrt.fp8_linear")),
+    "modelopt-fp8-tensor": (*_fp8_tensors("modelopt-fp8"), fp8_cpu_kernel("qrt.fp8_static_linear")),
 }
 
 

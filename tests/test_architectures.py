@@ -12,6 +12,7 @@ import torch
 
 from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
                           decode_without_recompiles)
+from kernel_checks import fp8_cpu_kernel
 from qrt import runtime
 from arch_checkpoints import ARCHS, make_arch_checkpoint
 from tiny_checkpoints import make_checkpoint, relative_l2
@@ -94,7 +95,7 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
     decode_without_recompiles(model, list(range(10, 30)), 16)
     assert_one_graph_per_role(model, forward=False)
-    assert_every_linear_runs(model, "qrt.fp8_linear_cpu", LINEARS_PER_LAYER * TINY_LAYERS,
+    assert_every_linear_runs(model, fp8_cpu_kernel("qrt.fp8_linear"), LINEARS_PER_LAYER * TINY_LAYERS,
                              swapped_from="qrt.fp8_linear", roles=("prefill", "decode"))
     ids = _ids(4, (1, 40))
     eager = runtime.compile_model(arch.folder, quant="fp8", compile=False, progress=False, max_seq_len=128)

@@ -1,6 +1,9 @@
 """The command line: inspect, dump and generate on a tiny checkpoint."""
 
+from kernel_checks import fp8_cpu_kernel
 from qrt.runtime.cli import main
+
+FP8_KERNEL = fp8_cpu_kernel("qrt.fp8_linear")
 
 
 def test_inspect_shows_format_layers_and_tensors(llama_dir, capsys):
@@ -8,7 +11,7 @@ def test_inspect_shows_format_layers_and_tensors(llama_dir, capsys):
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out and "quantization:  fp8 (online" in out
     assert "model.layers.0.self_attn.q_proj.weight" in out and "F32" in out
-    assert "model.layers.1.mlp.gate_up_proj" in out and "qrt.fp8_linear_cpu" in out
+    assert "model.layers.1.mlp.gate_up_proj" in out and FP8_KERNEL in out
     assert "lm_head" in out and "aten.linear" in out
 
 
@@ -33,10 +36,11 @@ def test_dump_writes_a_navigable_folder(llama_dir, tmp_path, capsys):
     for role in ("prefill", "decode", "forward"):
         before = out / f"{role}.graph0.00.swap_quantized_linear.before.py"
         after = out / f"{role}.graph0.00.swap_quantized_linear.after.py"
-        assert "qrt.fp8_linear(" in before.read_text() and "fp8_linear_cpu" in after.read_text()
-        assert "fp8_linear(" not in after.read_text().replace("fp8_linear_cpu(", "")
+        kernel_call = FP8_KERNEL.removeprefix("qrt.") + "("
+        assert "qrt.fp8_linear(" in before.read_text() and kernel_call in after.read_text()
+        assert "fp8_linear(" not in after.read_text().replace(kernel_call, "")
     kernels = (out / "kernels.md").read_text()
-    assert kernels.count("qrt.fp8_linear_cpu") >= 3 * 8
+    assert kernels.count(FP8_KERNEL) >= 3 * 8
     assert (out / "graph_breaks.txt").read_text() == "no graph breaks\n"
 
 
@@ -53,4 +57,7 @@ def test_inspect_names_a_stored_fp8_format_and_its_kernels(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "quantization:  fp8 (HF fp8: block 32x32 weight scales" in out
     assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in out and "F8_E4M3" in out
-    assert "qrt.fp8_block_linear_cpu" in out and "dequantized with block scales (HF fp8)" in out
+    if fp8_cpu_kernel("qrt.fp8_block_linear") == "qrt.fp8_block_linear_native_cpu":
+        assert "qrt.fp8_block_linear_native_cpu" in out and "fp8_e4m3 [N, K], block scales" in out
+    else:
+        assert "qrt.fp8_block_linear_cpu" in out and "dequantized with block scales (HF fp8)" in out

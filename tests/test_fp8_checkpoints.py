@@ -10,19 +10,20 @@ from safetensors.torch import load_file, save_file
 
 from qrt import runtime
 from fp8_checkpoints import FAMILIES, make_fp8_checkpoint
+from kernel_checks import fp8_cpu_kernel
 from qrt.loaders.errors import CheckpointError, UnsupportedError
 from tiny_checkpoints import relative_l2
 
 EXPECTED = {  # family -> (words inspect/describe must show, logical op, CPU kernel op)
-    "hf-fp8-dynamic": ("HF fp8: tensor weight scales, dynamic per token", "qrt.fp8_linear", "qrt.fp8_linear_cpu"),
-    "hf-fp8-static": ("HF fp8: tensor weight scales, static per tensor", "qrt.fp8_static_linear", "qrt.fp8_static_linear_cpu"),
-    "hf-fp8-block": ("HF fp8: block 32x32 weight scales, dynamic per token-group", "qrt.fp8_block_linear", "qrt.fp8_block_linear_cpu"),
-    "modelopt-fp8": ("ModelOpt: tensor weight scales, static per tensor", "qrt.fp8_static_linear", "qrt.fp8_static_linear_cpu"),
-    "modelopt-fp8-side-file": ("ModelOpt: tensor weight scales, static per tensor", "qrt.fp8_static_linear", "qrt.fp8_static_linear_cpu"),
-    "modelopt-fp8-kv-cache": ("static per tensor activations, fp8 KV cache", "qrt.fp8_static_linear", "qrt.fp8_static_linear_cpu"),
-    "ct-fp8-tensor-static": ("compressed-tensors: tensor weight scales, static per tensor", "qrt.fp8_static_linear", "qrt.fp8_static_linear_cpu"),
-    "ct-fp8-channel-dynamic": ("compressed-tensors: channel weight scales, dynamic per token", "qrt.fp8_linear", "qrt.fp8_linear_cpu"),
-    "ct-fp8-block": ("compressed-tensors: block 32x32 weight scales, dynamic per token-group", "qrt.fp8_block_linear", "qrt.fp8_block_linear_cpu"),
+    "hf-fp8-dynamic": ("HF fp8: tensor weight scales, dynamic per token", "qrt.fp8_linear", fp8_cpu_kernel("qrt.fp8_linear")),
+    "hf-fp8-static": ("HF fp8: tensor weight scales, static per tensor", "qrt.fp8_static_linear", fp8_cpu_kernel("qrt.fp8_static_linear")),
+    "hf-fp8-block": ("HF fp8: block 32x32 weight scales, dynamic per token-group", "qrt.fp8_block_linear", fp8_cpu_kernel("qrt.fp8_block_linear")),
+    "modelopt-fp8": ("ModelOpt: tensor weight scales, static per tensor", "qrt.fp8_static_linear", fp8_cpu_kernel("qrt.fp8_static_linear")),
+    "modelopt-fp8-side-file": ("ModelOpt: tensor weight scales, static per tensor", "qrt.fp8_static_linear", fp8_cpu_kernel("qrt.fp8_static_linear")),
+    "modelopt-fp8-kv-cache": ("static per tensor activations, fp8 KV cache", "qrt.fp8_static_linear", fp8_cpu_kernel("qrt.fp8_static_linear")),
+    "ct-fp8-tensor-static": ("compressed-tensors: tensor weight scales, static per tensor", "qrt.fp8_static_linear", fp8_cpu_kernel("qrt.fp8_static_linear")),
+    "ct-fp8-channel-dynamic": ("compressed-tensors: channel weight scales, dynamic per token", "qrt.fp8_linear", fp8_cpu_kernel("qrt.fp8_linear")),
+    "ct-fp8-block": ("compressed-tensors: block 32x32 weight scales, dynamic per token-group", "qrt.fp8_block_linear", fp8_cpu_kernel("qrt.fp8_block_linear")),
 }
 assert set(EXPECTED) == set(FAMILIES)
 LINEARS = 2 * 4  # tiny model: 2 layers x (qkv, o, gate_up, down)

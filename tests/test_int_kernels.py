@@ -13,7 +13,7 @@ from torch import nn
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
 from kernel_checks import random_rows
-from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
+from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import int_linear_reference, unpack_rows
 from qrt.loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
 from tiny_checkpoints import relative_l2
@@ -62,7 +62,7 @@ def test_cpu_int4_pack_kernel_matches_reference(k, n, group_size, act_order, dty
     cpu_group = int4_cpu_group(k, n, layer["group_size"])
     packed, scale_offsets = pack_int4_for_cpu(layer["qweight"], layer["scales"], layer["zeros"],
                                               layer["group_size"], k, cpu_group, dtype)
-    for m in (1, 7):
+    for m in (1, 7, MIN_ROWS_DEQUANTIZED + 1):  # the last dequantizes to bf16 where qrt's CPU kernels build
         x = random_rows(m, k, dtype)
         out = torch.ops.qrt.int4pack_linear(x, packed, scale_offsets, layer["perm"], None, cpu_group)
         expected = _reference(x.float(), layer)
@@ -87,7 +87,7 @@ def test_cpu_int8_pack_kernel_matches_reference(asym, dtype):
                                                      dtype)
     assert (zero_terms is None) == (not asym)
     bias = torch.randn(n).to(dtype)
-    for m in (1, 5):
+    for m in (1, 5, MIN_ROWS_DEQUANTIZED):
         x = random_rows(m, k, dtype)
         out = torch.ops.qrt.int8pack_linear(x, weight, scales, zero_terms, bias)
         expected = _reference(x.float(), layer, bias.float())

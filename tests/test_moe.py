@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles, swap_record
 from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
                              online_int_reference)
+from kernel_checks import fp8_cpu_kernel
 from qrt import runtime
 from qrt.loaders.errors import CheckpointError
 from qrt.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
@@ -191,7 +192,7 @@ def test_online_int_experts_match_their_dequantized_weights(qwen2_moe, bits):
     assert relative_l2(model(ids), expected) < 1e-4
 
 
-@pytest.mark.parametrize("quant,kernel", [("fp8", "qrt.fp8_linear_cpu"), ("w8a8", "qrt.int8_linear_cpu")])
+@pytest.mark.parametrize("quant,kernel", [("fp8", fp8_cpu_kernel("qrt.fp8_linear")), ("w8a8", "qrt.int8_linear_cpu")])
 def test_online_activation_quantized_experts(qwen2_moe, quant, kernel):
     folder, hf = qwen2_moe
     model = runtime.compile_model(folder, quant=quant, compile=False, progress=False, max_seq_len=64)

@@ -11,18 +11,26 @@ the canonical layout (int_reference.py) with the `pack_*` functions below:
   channel and no zero point. An asymmetric channel (zero point z != 128 in unsigned units) becomes
   (q - 128) * s - (z - 128) * s: the second term times sum(x) is subtracted after the matmul.
 
-Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the ATen call and
-fuses the gathers, corrections and bias around it (see passes/backend.py for how the int4 call is
-lowered in graphs without frozen weights). Scales must have the activations' dtype (ATen
+Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the matmul call and
+fuses the gathers, corrections and bias around it. Where qrt's own CPU kernels build
+(native_cpu.py), that call is `qrt_cpu::int4pack_mm` / `int8pack_mm`: ATen's kernel below
+`MIN_ROWS_DEQUANTIZED` rows, and from there the codes dequantized to bf16 and one oneDNN GEMM,
+which is faster for prompts (bench/cpu_native_options.py). The choice is made inside the op, at run
+time, so a prefill graph with a dynamic length needs no guard on it. Otherwise the ATen call
+itself (see passes/backend.py for how the int4 call is lowered in graphs without frozen weights). Scales must have the activations' dtype (ATen
 requires it), so they are rounded to the model dtype once, at load time.
 """
 
 import torch
 
+from . import native_cpu
 from .choices import Kernel, declare
 from .int_reference import unpack_rows
 
 INT4_CPU_GROUPS = (256, 128, 64, 32)
+# From this many rows on, dequantizing to bf16 and oneDNN's GEMM beat ATen's int4 and int8 kernels
+# (bench/cpu_native_options.py; docs/cpu-kernels.md).
+MIN_ROWS_DEQUANTIZED = 64
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define(
@@ -71,7 +79,10 @@ def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):
     x2 = x.reshape(-1, k)  # [M, K]
     if perm is not None:
         x2 = x2.index_select(1, perm)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scale_offsets)  # [M, N]
+    if native_cpu.available():
+        out = torch.ops.qrt_cpu.int4pack_mm(x2, packed, group_size, scale_offsets, MIN_ROWS_DEQUANTIZED)  # [M, N]
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scale_offsets)  # [M, N]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -81,7 +92,10 @@ def int8pack_linear(x, weight, scales, zero_terms, bias):
     """x: [..., K] in scales' dtype; weight: int8 [N, K]. Returns [..., N]."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    out = torch.ops.aten._weight_int8pack_mm(x2, weight, scales)  # [M, N]
+    if native_cpu.available():
+        out = torch.ops.qrt_cpu.int8pack_mm(x2, weight, scales, MIN_ROWS_DEQUANTIZED)  # [M, N]
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(x2, weight, scales)  # [M, N]
     if zero_terms is not None:
         # Summed in fp32: sum(x) over thousands of channels loses digits in bf16.
         correction = x2.float().sum(dim=-1, keepdim=True) * zero_terms.float()  # [M, N]

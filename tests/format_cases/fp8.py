@@ -3,6 +3,7 @@
 from fp8_checkpoints import make_fp8_checkpoint
 
 from . import FormatCase
+from kernel_checks import fp8_cpu_kernel
 
 
 def _fp8(family: str, cpu: str, cuda: str) -> FormatCase:
@@ -10,10 +11,10 @@ def _fp8(family: str, cpu: str, cuda: str) -> FormatCase:
 
 
 CASES = {
-    "stored:fp8": _fp8("hf-fp8-dynamic", "qrt.fp8_linear_cpu", "qrt.fp8_linear_triton"),
-    "stored:modelopt": _fp8("modelopt-fp8-kv-cache", "qrt.fp8_static_linear_cpu", "qrt.fp8_static_linear_triton"),
-    "side-file:hf_quant_config.json": _fp8("modelopt-fp8-side-file", "qrt.fp8_static_linear_cpu",
+    "stored:fp8": _fp8("hf-fp8-dynamic", fp8_cpu_kernel("qrt.fp8_linear"), "qrt.fp8_linear_triton"),
+    "stored:modelopt": _fp8("modelopt-fp8-kv-cache", fp8_cpu_kernel("qrt.fp8_static_linear"), "qrt.fp8_static_linear_triton"),
+    "side-file:hf_quant_config.json": _fp8("modelopt-fp8-side-file", fp8_cpu_kernel("qrt.fp8_static_linear"),
                                            "qrt.fp8_static_linear_triton"),
-    "compressed-tensors:float-quantized": _fp8("ct-fp8-block", "qrt.fp8_block_linear_cpu",
+    "compressed-tensors:float-quantized": _fp8("ct-fp8-block", fp8_cpu_kernel("qrt.fp8_block_linear"),
                                                "qrt.fp8_block_linear_triton"),
 }

@@ -1,0 +1,123 @@
+"""qrt's own CPU kernels (qrt/kernels/csrc/quantized_cpu.cpp) against the ones they replace, by rows M.
+
+    python bench/cpu_native_options.py [--threads 2] [--m 1,8,16,32,64,128,512]
+
+For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632) and each
+M, the median µs of a number of calls, each on another copy of the weights from a ring of 512 MiB,
+so that every call reads its weight from memory as a decode step does, of:
+- bf16: oneDNN's linear on a prepacked bf16 weight, qrt's bf16 kernel (and the GEMM that the
+  widened-fp8 kernels run);
+- fp8 GEMV / fp8 deq: `qrt_cpu::fp8_gemm` with per-channel scales, forced to its GEMV route or to
+  its dequantize + bf16 GEMM route;
+- aten int4 / int4 deq: ATen's `_weight_int4pack_mm_for_cpu` (groups of 64), and
+  `qrt_cpu::int4pack_mm` forced to dequantize + bf16 GEMM;
+- aten int8 / int8 deq: the same for `_weight_int8pack_mm`.
+In brackets, each kernel's speed as a multiple of bf16's at the same shape (> 1: faster). Each
+route is checked against a float reference before it is timed. Run on a quiet machine.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import torch  # noqa: E402
+
+from qrt.kernels import native_cpu  # noqa: E402
+
+SHAPES = ((576, 576), (3072, 576), (576, 1536), (2048, 2048), (11264, 2048), (2048, 5632))  # [N, K]
+RING_BYTES = 512 * 2**20
+GROUP = 64
+ALWAYS, NEVER = 0, 2**62  # min_rows_dequantized forcing one route
+
+
+def median_us(fn, operands, calls: int) -> float:
+    warmup = min(10, calls)
+    for i in range(warmup):
+        fn(*operands[i % len(operands)])
+    times = []
+    for i in range(calls):
+        args = operands[(warmup + i) % len(operands)]
+        started = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
+def ring(make, nbytes: int) -> list:
+    return [make() for _ in range(max(2, min(1024, RING_BYTES // nbytes)))]
+
+
+def check(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-2) -> None:
+    error = float((got.float() - expected).norm() / expected.norm())
+    if error > tolerance:
+        raise SystemExit(f"{name} is wrong: relative error {error:.3g}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--m", default="1,8,16,32,64,128,512")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native_cpu.available():
+        raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
+    rows = [int(v) for v in args.m.split(",")]
+    names = ["bf16", "fp8 GEMV", "fp8 deq", "aten int4", "int4 deq", "aten int8", "int8 deq"]
+    print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
+    print("| [N, K] | M | " + " | ".join(names) + " |")
+    print("|" + "---|" * (len(names) + 2))
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        w_bf16 = w.to(torch.bfloat16)
+        packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(w_bf16, None)
+        w_scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # [N, 1]
+        w_fp8 = (w / w_scale).to(torch.float8_e4m3fn)
+        q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+        so = (torch.randn(k // GROUP, n, 2, generator=gen) * 0.01).to(torch.bfloat16)
+        w8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        s8 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            xq = (x.float() * 8).to(torch.float8_e4m3fn).to(torch.bfloat16)
+            xs = torch.full((m, 1), 0.125)
+            fp8_expected = (xq.float() * xs) @ (w_fp8.float() * w_scale).t()
+            int4_expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, GROUP, so).float()
+            int8_expected = torch.ops.aten._weight_int8pack_mm(x, w8, s8).float()
+            options = {
+                "bf16": (lambda w_: torch.ops.mkldnn._linear_pointwise(x, w_, None, "none", [], ""),
+                         lambda: (torch.ops.mkldnn._reorder_linear_weight(w_bf16, None),), 2 * n * k, None),
+                "fp8 GEMV": (lambda w_: torch.ops.qrt_cpu.fp8_gemm(xq, xs, w_, w_scale, 1, k, NEVER),
+                             lambda: (w_fp8.clone(),), n * k, fp8_expected),
+                "fp8 deq": (lambda w_: torch.ops.qrt_cpu.fp8_gemm(xq, xs, w_, w_scale, 1, k, ALWAYS),
+                            lambda: (w_fp8.clone(),), n * k, fp8_expected),
+                "aten int4": (lambda p_: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p_, GROUP, so),
+                              lambda: (packed4.clone(),), n * k // 2, None),
+                "int4 deq": (lambda p_: torch.ops.qrt_cpu.int4pack_mm(x, p_, GROUP, so, ALWAYS),
+                             lambda: (packed4.clone(),), n * k // 2, int4_expected),
+                "aten int8": (lambda w_: torch.ops.aten._weight_int8pack_mm(x, w_, s8),
+                              lambda: (w8.clone(),), n * k, None),
+                "int8 deq": (lambda w_: torch.ops.qrt_cpu.int8pack_mm(x, w_, s8, ALWAYS),
+                             lambda: (w8.clone(),), n * k, int8_expected),
+            }
+            calls = 200 if m <= 16 else 40 if m <= 128 else 15
+            figures = {}
+            for name, (fn, make, nbytes, expected) in options.items():
+                operands = ring(make, nbytes)
+                if expected is not None:
+                    check(f"{name} at {n}x{k}, M={m}", fn(*operands[0]), expected)
+                figures[name] = median_us(fn, operands, calls)
+                del operands
+            cells = [f"{figures[name]:.0f} [{figures['bf16'] / figures[name]:.2f}]" for name in names]
+            print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
+        del packed_bf16
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

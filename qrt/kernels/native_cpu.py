@@ -1,0 +1,103 @@
+"""qrt's own CPU kernels (csrc/quantized_cpu.cpp): built on first use, loaded as `torch.ops.qrt_cpu.*`.
+
+They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
+ninja, all of which Inductor's CPU backend wants anyway. Where any is missing, `available()` is
+False, says why once, and the kernels declared on top of these ops step aside for the ATen and
+Inductor ones (each declaration's `accepts`).
+
+The build is cached by torch's extension builder under $TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions), in a folder named after a hash of the source and flags, so an edited
+source builds afresh and a stale library is never loaded. `make setup` builds it once
+(`qrt.kernels.native_cpu.why_unavailable()`); otherwise the first model load does, in about a minute.
+
+QRT_NATIVE_CPU=0 turns them off, to compare against the kernels they replace.
+"""
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "quantized_cpu.cpp"
+# AMX is never enabled: its tile instructions fault on some machines that report it.
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi",
+          "-mf16c", "-mfma", "-fopenmp")
+_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "f16c", "fma")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def why_unavailable() -> str | None:
+    """None when the kernels can be built and loaded here; otherwise the reason."""
+    if os.environ.get("QRT_NATIVE_CPU", "1") == "0":
+        return "QRT_NATIVE_CPU=0"
+    missing = [flag for flag in _NEEDED_CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return _load()
+
+
+def available() -> bool:
+    reason = why_unavailable()
+    if reason is not None:
+        _warn_once(reason)
+    return reason is None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    if reason != "QRT_NATIVE_CPU=0":
+        warnings.warn(f"qrt's own CPU kernels are off ({reason}); quantized layers use ATen's kernels and "
+                      f"fp8 weights are widened to bf16", stacklevel=3)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (or find built) and load the library; None on success, else why it failed."""
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_text()
+    digest = hashlib.sha256("\n".join((source, *CFLAGS, torch.__version__)).encode()).hexdigest()[:12]
+    name = f"qrt_quantized_cpu_{digest}"
+    if shutil.which("ninja") is None:  # the ninja wheel installs beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not any(build_dir.glob(f"{name}*.so")):
+        print("qrt: building its CPU kernels (first use with this torch, about a minute)", file=sys.stderr, flush=True)
+    try:
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as error:  # a missing compiler or ninja, a failed build: fall back, say why
+        return f"building {SOURCE.name} failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
+    _register_fakes()
+    return None
+
+
+def _register_fakes() -> None:
+    """Shapes for tracing: every op returns [M, N]."""
+
+    @torch.library.register_fake("qrt_cpu::fp8_gemm")
+    def _(xq, x_scale, weight, weight_scale, block_n, block_k, min_rows_dequantized):
+        return xq.new_empty(xq.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("qrt_cpu::int4pack_mm")
+    def _(x, packed, group_size, scale_offsets, min_rows_dequantized):
+        return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("qrt_cpu::int8pack_mm")
+    def _(x, weight, scales, min_rows_dequantized):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
