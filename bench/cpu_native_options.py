@@ -7,8 +7,9 @@ M, the median µs of a number of calls, each on another copy of the weights from
 so that every call reads its weight from memory as a decode step does, of:
 - bf16: oneDNN's linear on a prepacked bf16 weight, qrt's bf16 kernel (and the GEMM that the
   widened-fp8 kernels run);
-- fp8 GEMV / fp8 deq: `qrt_cpu::fp8_gemm` with per-channel scales, forced to its GEMV route or to
-  its dequantize + bf16 GEMM route;
+- fp8 GEMV / fp8 deq: `qrt_cpu::fp8_linear` with per-channel scales (activations quantized per
+  token inside, as the model runs it), forced to its GEMV route or to its dequantize + bf16 GEMM
+  route;
 - aten int4 / int4 deq: ATen's `_weight_int4pack_mm_for_cpu` (groups of 64), and
   `qrt_cpu::int4pack_mm` forced to dequantize + bf16 GEMM;
 - aten int8 / int8 deq: the same for `_weight_int8pack_mm`.
@@ -51,7 +52,7 @@ def ring(make, nbytes: int) -> list:
     return [make() for _ in range(max(2, min(1024, RING_BYTES // nbytes)))]
 
 
-def check(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-2) -> None:
+def check(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float = 5e-2) -> None:
     error = float((got.float() - expected).norm() / expected.norm())
     if error > tolerance:
         raise SystemExit(f"{name} is wrong: relative error {error:.3g}")
@@ -84,17 +85,15 @@ def main() -> int:
         s8 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-            xq = (x.float() * 8).to(torch.float8_e4m3fn).to(torch.bfloat16)
-            xs = torch.full((m, 1), 0.125)
-            fp8_expected = (xq.float() * xs) @ (w_fp8.float() * w_scale).t()
+            fp8_expected = x.float() @ (w_fp8.float() * w_scale).t()
             int4_expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, GROUP, so).float()
             int8_expected = torch.ops.aten._weight_int8pack_mm(x, w8, s8).float()
             options = {
                 "bf16": (lambda w_: torch.ops.mkldnn._linear_pointwise(x, w_, None, "none", [], ""),
                          lambda: (torch.ops.mkldnn._reorder_linear_weight(w_bf16, None),), 2 * n * k, None),
-                "fp8 GEMV": (lambda w_: torch.ops.qrt_cpu.fp8_gemm(xq, xs, w_, w_scale, 1, k, NEVER),
+                "fp8 GEMV": (lambda w_: torch.ops.qrt_cpu.fp8_linear(x, w_, w_scale, None, 1, k, None, NEVER),
                              lambda: (w_fp8.clone(),), n * k, fp8_expected),
-                "fp8 deq": (lambda w_: torch.ops.qrt_cpu.fp8_gemm(xq, xs, w_, w_scale, 1, k, ALWAYS),
+                "fp8 deq": (lambda w_: torch.ops.qrt_cpu.fp8_linear(x, w_, w_scale, None, 1, k, None, ALWAYS),
                             lambda: (w_fp8.clone(),), n * k, fp8_expected),
                 "aten int4": (lambda p_: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p_, GROUP, so),
                               lambda: (packed4.clone(),), n * k // 2, None),

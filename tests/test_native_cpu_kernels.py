@@ -1,17 +1,17 @@
 """qrt's own CPU kernels (qrt/kernels/csrc/quantized_cpu.cpp) against their references, on random
-inputs, by both of their routes (the GEMV and the dequantize + dense GEMM): `qrt_cpu::fp8_gemm`
-against a float computation of the same sum, the three fp8 kernel ops against their logical
-reference ops, and the int4/int8 pack kernels' dequantized route against the reference (the
-few-rows route is ATen's, tested in test_int_kernels.py)."""
+inputs, by both of their routes (the GEMV and the dequantize + dense GEMM): `qrt_cpu::fp8_linear`
+and the three fp8 kernel ops against their logical reference ops, its activation quantization
+against torch's exactly, the int4/int8 pack kernels' dequantized route against the exact sum (the
+middle route is ATen's, tested in test_int_kernels.py), and the int4 GEMV of one row."""
 
 import pytest
 import torch
 
 from kernel_checks import SUM_RTOL, assert_within
 from qrt.kernels import fp8_native_cpu, int_cpu, native_cpu
-from qrt.kernels.fp8_block_reference import fp8_block_linear_reference
+from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8
 from qrt.kernels.fp8_reference import fp8_linear_reference, quantize_rows_fp8
-from qrt.kernels.fp8_static_reference import fp8_static_linear_reference
+from qrt.kernels.fp8_static_reference import fp8_static_linear_reference, quantize_static_fp8
 
 pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"{native_cpu.why_unavailable()}")
 
@@ -22,54 +22,78 @@ SHAPES = [(1, 48, 576, 1, 576), (3, 37, 200, 1, 200), (9, 64, 256, 32, 32), (5, 
           (17, 70, 130, 16, 48), (8, 20, 64, 1, 64), (2, 16, 20, 1, 20)]
 
 
-def _fp8_operands(m, n, k, block_n, block_k, seed):
-    """Random fp8 activations and weights spanning many binades (subnormals included), with
-    per-block scales: (xq [M, K] e4m3, x_scale [M, Kb], w [N, K] e4m3, w_scale [Nb, Kb])."""
+def _fp8_weights(n, k, block_n, block_k, seed):
+    """Random e4m3 weights spanning many binades (subnormals included) and per-block scales:
+    (w [N, K] e4m3, w_scale [ceil(N / block_n), ceil(K / block_k)] fp32)."""
     gen = torch.Generator().manual_seed(seed)
-    xq = (torch.randn(m, k, generator=gen) * 4).to(torch.float8_e4m3fn)
     magnitudes = 2.0 ** torch.randint(-12, 7, (n, k), generator=gen)
     w = (torch.randn(n, k, generator=gen) * magnitudes).to(torch.float8_e4m3fn)
-    k_blocks, n_blocks = -(-k // block_k), -(-n // block_n)
-    x_scale = torch.rand(m, k_blocks, generator=gen) + 0.5
-    w_scale = torch.rand(n_blocks, k_blocks, generator=gen) + 0.5
-    return xq, x_scale, w, w_scale
+    w_scale = (torch.rand(-(-n // block_n), -(-k // block_k), generator=gen) + 0.5) * 1e-2
+    return w, w_scale
 
 
-def _expected_and_bound(xq, x_scale, w, w_scale, block_n, block_k):
-    """The exact sum in fp64, and sum(|terms|) to measure rounding against."""
-    k, n = xq.shape[1], w.shape[0]
-    xs = x_scale.double().repeat_interleave(block_k, 1)[:, :k]
-    ws = w_scale.double().repeat_interleave(block_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
-    x, weight = xq.double() * xs, w.double() * ws
-    return x @ weight.t(), x.abs() @ weight.abs().t()
+def _activations(m, k, dtype, seed):
+    """[M, K] activations over several decades, so that quantized rows use the whole e4m3 range."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=gen) * 2.0 ** torch.randint(-8, 4, (m, k), generator=gen)).to(dtype)
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fp8_gemm_matches_the_exact_sum(shape, dtype, route):
+def test_fp8_linear_matches_the_reference(shape, dtype, route):
     m, n, k, block_n, block_k = shape
-    xq, x_scale, w, w_scale = _fp8_operands(m, n, k, block_n, block_k, seed=sum(shape))
-    got = torch.ops.qrt_cpu.fp8_gemm(xq.to(dtype), x_scale, w, w_scale, block_n, block_k, ROUTES[route])
-    assert got.dtype == torch.float32 and got.shape == (m, n)
-    expected, bound = _expected_and_bound(xq, x_scale, w, w_scale, block_n, block_k)
-    if route == "gemv" or dtype == torch.float32:
-        # Exact products summed in fp32: only the order of the sum differs.
-        assert_within(got, expected, SUM_RTOL * bound + 1e-30)
-    elif w_scale.shape[1] == 1:
-        # Exact bf16 operands, a bf16 GEMM output (half a step) scaled after.
-        assert_within(got, expected, 2.0**-8 * (bound + expected.abs()))
+    w, w_scale = _fp8_weights(n, k, block_n, block_k, seed=sum(shape))
+    x = _activations(m, k, dtype, seed=m)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    got = torch.ops.qrt_cpu.fp8_linear(x, w, w_scale, bias, block_n, block_k, None, ROUTES[route])
+    one_block = block_n == 1 and block_k == k
+    if one_block:
+        expected = fp8_linear_reference(x, w, w_scale.view(-1), bias)
     else:
-        # Both operands dequantized to bf16 (2**-9 each) and a bf16 output.
-        assert_within(got, expected, 2.0**-7 * bound + 2.0**-8 * expected.abs())
+        expected = fp8_block_linear_reference(x, w, w_scale, bias, block_n, block_k)
+    assert got.dtype == dtype and got.shape == (m, n)
+    q, x_scale = quantize_groups_fp8(x, block_k)
+    x_deq = q.float() * x_scale.repeat_interleave(block_k, 1)[:, :k]
+    w_deq = w.float() * w_scale.repeat_interleave(block_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
+    terms = x_deq.abs() @ w_deq.abs().t() + bias.float().abs()  # sum(|terms|) of each output
+    if dtype == torch.float32:
+        tolerance = SUM_RTOL * terms  # the summation order only
+    elif route == "gemv" or one_block:
+        # Both outputs rounded to bf16; the dequantized route's GEMM output once more.
+        tolerance = 2.0**-8 * (expected.float().abs() + terms)
+    else:
+        tolerance = 2.0**-7 * terms + 2.0**-8 * expected.float().abs()  # bf16 operands and output
+    assert_within(got, expected, tolerance + 1e-30)
 
 
-def test_fp8_gemm_names_what_it_expected():
-    xq, x_scale, w, w_scale = _fp8_operands(2, 16, 64, 1, 64, seed=0)
+@pytest.mark.parametrize("mode", ["token", "group", "static"])
+def test_activation_quantization_is_the_reference_one(mode):
+    """Through an identity weight, each output is one quantized activation times its scale, so the
+    kernel's fp8 rounding (ties, subnormals, clipping at ±448) must equal torch's exactly."""
+    k = 96
+    x = _activations(5, k, torch.float32, seed=3)
+    x[0, :8] = torch.tensor([0.0, -0.0, 2.0**-12, 3 * 2.0**-10, -(2.0**-6), 1e-30, 17.5, 9.0])  # ties, tiny
+    eye = torch.eye(k).to(torch.float8_e4m3fn)  # [K, K]
+    if mode == "static":
+        input_scale = torch.tensor([x.abs().max().item() / 300.0])  # some activations clip at ±448
+        expected = quantize_static_fp8(x, input_scale).float() * input_scale
+        got = torch.ops.qrt_cpu.fp8_linear(x, eye, torch.ones(k, 1), None, 1, k, input_scale, ROUTES["gemv"])
+    else:
+        group = k if mode == "token" else 32
+        q, scale = quantize_groups_fp8(x, group)
+        expected = q.float() * scale.repeat_interleave(group, 1)
+        got = torch.ops.qrt_cpu.fp8_linear(x, eye, torch.ones(k, k // group), None, 1, group, None, ROUTES["gemv"])
+    assert torch.equal(got, expected)
+
+
+def test_fp8_linear_names_what_it_expected():
+    w, w_scale = _fp8_weights(16, 64, 1, 64, seed=0)
+    x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match=r"weight_scale \[ceil\(N / block_n\), ceil\(K / block_k\)\]"):
-        torch.ops.qrt_cpu.fp8_gemm(xq.float(), x_scale, w, w_scale[:8], 1, 64, 0)
+        torch.ops.qrt_cpu.fp8_linear(x, w, w_scale[:8], None, 1, 64, None, 0)
     with pytest.raises(RuntimeError, match="e4m3 weight expected"):
-        torch.ops.qrt_cpu.fp8_gemm(xq.float(), x_scale, w.float(), w_scale, 1, 64, 0)
+        torch.ops.qrt_cpu.fp8_linear(x, w.float(), w_scale, None, 1, 64, None, 0)
 
 
 def _random_fp8_layer(n, k, seed):
@@ -119,8 +143,7 @@ def test_fp8_block_linear_kernel_matches_its_reference(route, dtype, blocks):
     block_n, block_k = blocks
     n, k = 70, 130  # ragged in both: a partial last block each way
     gen = torch.Generator().manual_seed(5)
-    xq, _, w, w_scale = _fp8_operands(1, n, k, block_n, block_k, seed=6)
-    w_scale = w_scale * 1e-3
+    w, w_scale = _fp8_weights(n, k, block_n, block_k, seed=6)
     x = torch.randn(3, 4, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     expected = fp8_block_linear_reference(x, w, w_scale, bias, block_n, block_k)
@@ -128,18 +151,22 @@ def test_fp8_block_linear_kernel_matches_its_reference(route, dtype, blocks):
     assert_within(got, expected, _output_bound(expected.float(), dtype))
 
 
-@pytest.mark.parametrize("n,k,group", [(64, 256, 32), (192, 576, 64), (128, 128, 128)])
-def test_int4_pack_dequantized_route_matches_aten(n, k, group):
+@pytest.mark.parametrize("rows", ["one", "many"])
+@pytest.mark.parametrize("n,k,group", [(64, 256, 32), (192, 576, 64), (128, 128, 128), (256, 64, 64)])
+def test_int4_pack_gemv_and_dequantized_routes_match_the_exact_sum(n, k, group, rows):
+    """One row: qrt's GEMV on ATen's pack; many: dequantized to bf16 and one GEMM."""
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K / 2]
     scale_offsets = (torch.randn(k // group, n, 2, generator=gen) * 0.05).to(torch.bfloat16)
-    x = torch.randn(int_cpu.MIN_ROWS_DEQUANTIZED + 3, k, generator=gen).to(torch.bfloat16)
+    m = 1 if rows == "one" else int_cpu.MIN_ROWS_DEQUANTIZED + 3
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     s, o = scale_offsets.float().unbind(-1)  # [K / g, N] each
     weight = (codes.float() - 8) * s.t().repeat_interleave(group, 1) + o.t().repeat_interleave(group, 1)  # [N, K]
     expected = x.double() @ weight.double().t()
     got = torch.ops.qrt_cpu.int4pack_mm(x, packed, group, scale_offsets, int_cpu.MIN_ROWS_DEQUANTIZED)
-    # The weight rounded to bf16 (2**-9), the output to bf16 (2**-9).
+    # GEMV: exact products summed in fp32, a bf16 output (2**-9). Dequantized: the weight rounded to
+    # bf16 (2**-9) too.
     bound = 2.0**-8 * (x.double().abs() @ weight.double().abs().t())
     assert_within(got, expected, bound)
 

@@ -81,7 +81,9 @@ def _load() -> str | None:
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: fall back, say why
-        return f"building {SOURCE.name} failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
+        lines = str(error).strip().splitlines() or [repr(error)]
+        first_error = next((line for line in lines if "error:" in line), lines[-1])
+        return f"building {SOURCE.name} failed: {first_error.strip()}"
     _register_fakes()
     return None
 
@@ -89,9 +91,9 @@ def _load() -> str | None:
 def _register_fakes() -> None:
     """Shapes for tracing: every op returns [M, N]."""
 
-    @torch.library.register_fake("qrt_cpu::fp8_gemm")
-    def _(xq, x_scale, weight, weight_scale, block_n, block_k, min_rows_dequantized):
-        return xq.new_empty(xq.shape[0], weight.shape[0], dtype=torch.float32)
+    @torch.library.register_fake("qrt_cpu::fp8_linear")
+    def _(x, weight, weight_scale, bias, block_n, block_k, input_scale, min_rows_dequantized):
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("qrt_cpu::int4pack_mm")
     def _(x, packed, group_size, scale_offsets, min_rows_dequantized):

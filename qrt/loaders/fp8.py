@@ -5,11 +5,12 @@ it), so the model never holds a layer in both bf16 and fp8. Activations are quan
 at run time. Per-channel scales make fused q/k/v and gate/up trivial: every row keeps its own.
 
 Loader pass (`process_after_loading`) makes the layout of the device's kernel (kernels/choices.py):
-- CUDA, "fp8": fp8 weights as stored, for the Triton fp8 GEMM (`qrt::fp8_linear_triton`).
-- CPU, "widened": the CPU has no fp8 arithmetic, and converting fp8 to bf16 inside each matmul measured far
-  slower than a bf16 matmul (see README). Every e4m3 value is exactly representable in bf16, so
-  the weights are widened once to the model dtype: the numerics stay those of fp8, the matmul runs
-  at bf16 speed. This layout costs bf16 memory; it buys exactness, not speed or size.
+- "fp8": fp8 weights as stored, for the Triton fp8 GEMM on CUDA (`qrt::fp8_linear_triton`) and
+  for qrt's own CPU kernel (`qrt::fp8_linear_native_cpu`, kernels/fp8_native_cpu.py), which widens
+  the bytes in registers and so reads half of bf16's bytes per token.
+- CPU, "widened", where that kernel cannot build (no AVX-512 BF16/VBMI, no compiler): every e4m3
+  value is exactly representable in bf16, so the weights are widened once to the model dtype. The
+  numerics stay those of fp8 and the matmul runs at bf16 speed, at bf16's memory.
 """
 
 from functools import partial

@@ -4,17 +4,20 @@
 // Ops, in the `qrt_cpu` namespace, each choosing its route by the number of rows M at run time
 // (inside the op, so that a compiled graph with a dynamic M needs no guard on it):
 //
-//   fp8_gemm(xq [M, K], x_scale [M, Kb], weight e4m3 [N, K], weight_scale [Nb, Kb], block_n, block_k,
-//            min_rows_dequantized) -> fp32 [M, N]
+//   fp8_linear(x [M, K], weight e4m3 [N, K], weight_scale [Nb, Kb], bias, block_n, block_k, input_scale,
+//              min_rows_dequantized) -> [M, N] in x's dtype
+//     The activations are quantized to e4m3 here, exactly as qrt's reference ops do: per row and
+//     K-block of block_k columns (block_k = K: per token), or with the static `input_scale`. Then
 //     out[m, n] = sum over K-blocks kb of x_scale[m, kb] * weight_scale[n / block_n, kb]
-//                 * sum_{k in kb} xq[m, k] * weight[n, k]
-//     xq holds fp8 values (exact in any float dtype). M < min_rows_dequantized: a GEMV that reads
-//     the fp8 bytes once per tile of 8 rows and widens them in registers. Otherwise the weight is
-//     dequantized into xq's dtype and one dense GEMM (oneDNN for bf16) runs.
+//                 * sum_{k in kb} xq[m, k] * weight[n, k]  (+ bias[n]).
+//     M < min_rows_dequantized: a GEMV that reads the fp8 bytes once per tile of 8 rows and widens
+//     them in registers. Otherwise the weight is dequantized tile by tile and dense GEMMs run
+//     (oneDNN for bf16), their output scaled as it is written.
 //
 //   int4pack_mm(x [M, K], packed, group_size, scale_offsets, min_rows_dequantized) -> [M, N]
-//     ATen's CPU int4 pack. Few rows: ATen's own kernel. Many: the pack dequantized to bf16 here,
-//     then one bf16 GEMM, which at large M is faster than ATen's kernel (docs/cpu-kernels.md).
+//     ATen's CPU int4 pack. One row (a decode step): qrt's GEMV on the pack. Few rows: ATen's own
+//     kernel. Many: the pack dequantized to bf16 here, then one bf16 GEMM, which at large M is
+//     faster than ATen's kernel (docs/cpu-kernels.md).
 //
 //   int8pack_mm(x [M, K], weight int8 [N, K], scales [N], min_rows_dequantized) -> [M, N]
 //     The same choice for ATen's int8 weight-only kernel; the int8 codes are exact in bf16.
@@ -28,6 +31,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -86,15 +90,14 @@ inline __mmask64 chunk_mask(int64_t remaining) {
   return remaining >= kChunk ? ~0ULL : ((1ULL << remaining) - 1);
 }
 
-// xq [M, K] -> bf16 bits [M, K'] in the GEMV's order: each K-block padded with zeros to whole chunks
-// of 64, each chunk's 32 `a` slots then its 32 `b` slots (see widen_fp8x64).
-at::Tensor permuted_activations(const at::Tensor& xq, int64_t block_k) {
-  const int64_t m_rows = xq.size(0), k = xq.size(1);
+// q [M, K] (bf16 bits) -> [M, K'] in the GEMV's order: each K-block padded with zeros to whole
+// chunks of 64, each chunk's 32 `a` slots then its 32 `b` slots (see widen_fp8x64).
+at::Tensor permuted_activations(const at::Tensor& q, int64_t block_k) {
+  const int64_t m_rows = q.size(0), k = q.size(1);
   const int64_t blocks = (k + block_k - 1) / block_k;
   const int64_t padded = (blocks - 1) * chunked_width(block_k) + chunked_width(k - (blocks - 1) * block_k);
-  at::Tensor x16 = xq.to(at::kBFloat16).contiguous();  // exact: the values are fp8 values
-  at::Tensor out = at::zeros({m_rows, padded}, xq.options().dtype(at::kShort));
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x16.data_ptr());
+  at::Tensor out = at::zeros({m_rows, padded}, q.options().dtype(at::kShort));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(q.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   for (int64_t m = 0; m < m_rows; ++m) {
     int64_t offset = 0;
@@ -110,6 +113,82 @@ at::Tensor permuted_activations(const at::Tensor& xq, int64_t block_k) {
     }
   }
   return out;
+}
+
+// ---- activation quantization, as the reference ops compute it (fp8_reference.py and friends):
+// scale = max(amax / 448, 1 / (448 * 512)) per row and K-block (or the static scale), then
+// round_to_e4m3(clamp(x / scale, -448, 448)), rounding to nearest, ties to even.
+
+constexpr float kFp8Max = 448.0f;
+const float kMinScale = static_cast<float>(1.0 / (448.0 * 512.0));
+
+// fp32 values with |v| <= 448 -> the nearest e4m3 values, as fp32. Normal range: the mantissa cut to
+// 3 bits with round-half-even on the bits; below 2**-6 (e4m3's subnormals, a fixed step of 2**-9):
+// adding and subtracting 1.5 * 2**14, whose ulp is 2**-9, rounds to that step.
+inline __m512 round_to_e4m3(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd)),
+                                           _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m512 magnitude = _mm512_abs_ps(v);
+  const __m512 magic = _mm512_set1_ps(24576.0f);
+  const __m512 stepped = _mm512_sub_ps(_mm512_add_ps(magnitude, magic), magic);
+  const __m512 sign = _mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(tiny, _mm512_castsi512_ps(rounded), _mm512_or_ps(stepped, sign));
+}
+
+inline __mmask16 mask16(int64_t remaining) {
+  return remaining >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// 16 activations (bf16 or fp32, up to `mask`) as fp32.
+inline __m512 load_activations(const void* row, bool bf16, int64_t c, __mmask16 mask) {
+  if (bf16) {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row) + c);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row) + c);
+}
+
+// x [M, K] (bf16 or fp32, contiguous) -> q [M, K] bf16 bits of the e4m3 values and scales [M, Kb].
+void quantize_activations(const at::Tensor& x, int64_t block_k, const at::Tensor& input_scale, at::Tensor& q,
+                          at::Tensor& scales) {
+  const int64_t m_rows = x.size(0), k = x.size(1), k_blocks = (k + block_k - 1) / block_k;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  q = at::empty({m_rows, k}, x.options().dtype(at::kBFloat16));
+  scales = at::empty({m_rows, k_blocks}, x.options().dtype(at::kFloat));
+  const char* base = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = k * x.element_size();
+  uint16_t* qb = reinterpret_cast<uint16_t*>(q.data_ptr());
+  float* s = scales.data_ptr<float>();
+  const bool fixed = input_scale.defined();
+  const float fixed_scale = fixed ? input_scale.to(at::kFloat).item<float>() : 0.0f;
+  at::parallel_for(0, m_rows, 4, [&](int64_t m_begin, int64_t m_end) {
+    const __m512 limit = _mm512_set1_ps(kFp8Max), neg_limit = _mm512_set1_ps(-kFp8Max);
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      const void* row = base + m * row_bytes;
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const int64_t k0 = kb * block_k, k1 = std::min(k, k0 + block_k);
+        float scale = fixed_scale;
+        if (!fixed) {
+          __m512 amax = _mm512_setzero_ps();
+          for (int64_t c = k0; c < k1; c += 16) {
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(load_activations(row, bf16, c, mask16(k1 - c))));
+          }
+          scale = std::max(_mm512_reduce_max_ps(amax) / kFp8Max, kMinScale);
+        }
+        s[m * k_blocks + kb] = scale;
+        const __m512 divisor = _mm512_set1_ps(scale);
+        for (int64_t c = k0; c < k1; c += 16) {
+          const __mmask16 mask = mask16(k1 - c);
+          __m512 v = _mm512_div_ps(load_activations(row, bf16, c, mask), divisor);
+          v = round_to_e4m3(_mm512_min_ps(_mm512_max_ps(v, neg_limit), limit));
+          _mm256_mask_storeu_epi16(qb + m * k + c, mask, (__m256i)_mm512_cvtneps_pbh(v));  // exact
+        }
+      }
+    }
+  });
 }
 
 struct Fp8GemvArgs {
@@ -175,7 +254,7 @@ void fp8_gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n
 
 template <int Rows, bool OneBlock>
 void fp8_gemv_sliced(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end) {
-  // Activation columns per slice: Rows rows of bf16 in about half of a 48 KiB L1.
+  // Activation columns per slice: Rows rows of bf16 in part of the L1.
   const int64_t budget = std::max<int64_t>(kChunk, kL1ActivationBytes / (2 * Rows) / kChunk * kChunk);
   const int64_t loop_k = OneBlock ? (p.k <= budget ? p.k : budget) : p.block_k;
   const int64_t loop_blocks = (p.k + loop_k - 1) / loop_k;
@@ -197,11 +276,12 @@ void fp8_gemv_rows(const Fp8GemvArgs& p, int64_t m0, int64_t rows, int64_t n_beg
   }
 }
 
-at::Tensor fp8_gemv(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
+// q [M, K] bf16 (e4m3 values), x_scale [M, Kb] -> fp32 [M, N], without the bias.
+at::Tensor fp8_gemv(const at::Tensor& q, const at::Tensor& x_scale, const at::Tensor& weight,
                     const at::Tensor& weight_scale, int64_t block_n, int64_t block_k) {
-  const int64_t m_rows = xq.size(0), k = xq.size(1), n = weight.size(0);
-  at::Tensor xp = permuted_activations(xq, block_k);
-  at::Tensor out = at::empty({m_rows, n}, xq.options().dtype(at::kFloat));
+  const int64_t m_rows = q.size(0), k = q.size(1), n = weight.size(0);
+  at::Tensor xp = permuted_activations(q, block_k);
+  at::Tensor out = at::empty({m_rows, n}, q.options().dtype(at::kFloat));
   Fp8GemvArgs p{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
                 reinterpret_cast<const uint16_t*>(xp.data_ptr()),
                 x_scale.data_ptr<float>(), weight_scale.data_ptr<float>(), out.data_ptr<float>(),
@@ -216,24 +296,48 @@ at::Tensor fp8_gemv(const at::Tensor& xq, const at::Tensor& x_scale, const at::T
 }
 
 // The dequantized routes run tile by tile over output channels, each tile's bf16 weights (about
-// kTileBytes) written into one buffer and read by the GEMM while still in the last-level cache. A
-// whole dequantized weight of tens of MiB would be a fresh allocation that page-faults on every call
-// (19 ms of a 20 ms call for 11264 x 2048).
+// kTileBytes) written into a buffer kept from call to call and read by the GEMM while still in the
+// last-level cache. A whole dequantized weight of tens of MiB would be a fresh allocation that
+// page-faults on every call (19 ms of a 20 ms call for 11264 x 2048); so, in a 512-token prefill,
+// did a fresh 3.5 MiB tile buffer per call.
 int64_t tile_rows(int64_t k, int64_t align) {
   return std::max(align, kTileBytes / (2 * k) / align * align);
 }
 
-// Output [M, N] fp32 = GEMM(x, tile) over tiles of `tile` output channels; fill(n0, rows) returns
-// the tile's weight as [rows, K] (transposed = false) or [K, rows] (true) in x's dtype.
-template <typename Fill>
-at::Tensor tiled_mm(const at::Tensor& x, int64_t n, int64_t tile, bool transposed, Fill fill) {
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  for (int64_t n0 = 0; n0 < n; n0 += tile) {
-    const int64_t rows = std::min(tile, n - n0);
-    at::Tensor w = fill(n0, rows);
-    out.narrow(1, n0, rows).copy_(at::mm(x, transposed ? w : w.t()));
-  }
-  return out;
+// A bf16 buffer of at least `elements`, reused by the calling thread from call to call.
+uint16_t* scratch_bf16(int64_t elements) {
+  thread_local std::vector<uint16_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < elements) buffer.resize(elements);
+  return buffer.data();
+}
+
+// out[:, n0 : n0 + rows] = acc [M, rows] (bf16 or fp32) * row_scale[m] * col_scale[n] + bias[n],
+// in out's dtype (bf16 or fp32); row_scale / col_scale / bias may be null.
+void write_tile(const at::Tensor& acc, at::Tensor& out, int64_t n0, const float* row_scale, const float* col_scale,
+                const float* bias) {
+  const int64_t m_rows = acc.size(0), rows = acc.size(1), n = out.size(1);
+  const bool acc_bf16 = acc.scalar_type() == at::kBFloat16, out_bf16 = out.scalar_type() == at::kBFloat16;
+  const void* src = acc.data_ptr();
+  void* dst = out.data_ptr();
+  at::parallel_for(0, m_rows, 16, [&](int64_t m_begin, int64_t m_end) {
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      const __m512 rs = _mm512_set1_ps(row_scale ? row_scale[m] : 1.0f);
+      for (int64_t j = 0; j < rows; j += 16) {
+        const __mmask16 mask = mask16(rows - j);
+        __m512 v = acc_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                  mask, static_cast<const uint16_t*>(src) + m * rows + j)), 16))
+                            : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(src) + m * rows + j);
+        v = _mm512_mul_ps(v, rs);
+        if (col_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, col_scale + n0 + j));
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + j));
+        if (out_bf16) {
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + m * n + n0 + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        } else {
+          _mm512_mask_storeu_ps(static_cast<float*>(dst) + m * n + n0 + j, mask, v);
+        }
+      }
+    }
+  });
 }
 
 // e4m3 codes of rows [n0, n0 + rows) -> bf16 [rows, K] into dst, each value times its block's scale
@@ -249,7 +353,7 @@ void dequantize_fp8_rows_bf16(const uint8_t* src, int64_t k, int64_t n0, int64_t
         const __m512 factor = _mm512_set1_ps(256.0f * (scaled ? scales[(row / block_n) * k_blocks + kb] : 1.0f));
         const int64_t k0 = kb * block_k, k1 = std::min(k, k0 + block_k);
         for (int64_t c = k0; c < k1; c += 16) {
-          const __mmask16 mask = k1 - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - c)) - 1);
+          const __mmask16 mask = mask16(k1 - c);
           __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, src + row * k + c));
           __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, magnitude), 7),
                                          _mm256_slli_epi16(_mm256_and_si256(w, sign), 8));
@@ -266,55 +370,68 @@ at::Tensor rows_of_scales(const at::Tensor& weight_scale, int64_t block_n, int64
   return weight_scale.repeat_interleave(block_n, 0).narrow(0, 0, n);
 }
 
-at::Tensor fp8_gemm_dequantized(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
-                                const at::Tensor& weight_scale, int64_t block_n, int64_t block_k) {
-  const int64_t n = weight.size(0), k = weight.size(1), k_blocks = weight_scale.size(1);
+// Many rows: q [M, K] bf16 and x_scale [M, Kb] against the weight dequantized tile by tile.
+// One K-block: exact fp8 values on both sides, the scales applied to the GEMM's output as it is
+// written. Blocks: both sides dequantized, rounded once to bf16.
+at::Tensor fp8_linear_dequantized(const at::Tensor& q, const at::Tensor& x_scale, const at::Tensor& weight,
+                                  const at::Tensor& weight_scale, const float* bias, int64_t block_n, int64_t block_k,
+                                  at::ScalarType out_dtype) {
+  const int64_t m_rows = q.size(0), n = weight.size(0), k = weight.size(1), k_blocks = weight_scale.size(1);
   const bool one_block = k_blocks == 1;
-  const auto dtype = xq.scalar_type();
-  // One K-block: exact fp8 values on both sides, the scales applied once to the GEMM's output.
-  // Blocks: both sides dequantized, rounded once to the activations' dtype.
-  at::Tensor x = one_block ? xq : (xq.to(at::kFloat) * x_scale.repeat_interleave(block_k, 1).narrow(1, 0, k)).to(dtype);
-  at::Tensor out;
-  if (dtype == at::kBFloat16) {
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(weight.data_ptr());
-    const int64_t tile = tile_rows(k, 16);
-    at::Tensor buffer = at::empty({std::min(tile, n), k}, xq.options());
-    out = tiled_mm(x, n, tile, false, [&](int64_t n0, int64_t rows) {
-      dequantize_fp8_rows_bf16(src, k, n0, rows, weight_scale.data_ptr<float>(), block_n, block_k, k_blocks,
-                               !one_block, reinterpret_cast<uint16_t*>(buffer.data_ptr()));
-      return buffer.narrow(0, 0, rows);
-    });
-  } else {  // fp32 / fp16 models: plain ATen, at once
-    at::Tensor w = weight.to(at::kFloat);  // [N, K]
-    if (!one_block) w = w * rows_of_scales(weight_scale, block_n, n).repeat_interleave(block_k, 1).narrow(1, 0, k);
-    out = at::mm(x, w.to(dtype).t()).to(at::kFloat);
+  at::Tensor x = one_block ? q : (q.to(at::kFloat) * x_scale.repeat_interleave(block_k, 1).narrow(1, 0, k)).to(at::kBFloat16);
+  at::Tensor col_scale = one_block ? rows_of_scales(weight_scale, block_n, n).reshape({n}).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({m_rows, n}, q.options().dtype(out_dtype));
+  const int64_t tile = tile_rows(k, 16);
+  uint16_t* buffer = scratch_bf16(std::min(tile, n) * k);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(weight.data_ptr());
+  for (int64_t n0 = 0; n0 < n; n0 += tile) {
+    const int64_t rows = std::min(tile, n - n0);
+    dequantize_fp8_rows_bf16(src, k, n0, rows, weight_scale.data_ptr<float>(), block_n, block_k, k_blocks, !one_block,
+                             buffer);
+    at::Tensor w = at::from_blob(buffer, {rows, k}, q.options().dtype(at::kBFloat16));
+    write_tile(at::mm(x, w.t()), out, n0, one_block ? x_scale.data_ptr<float>() : nullptr,
+               one_block ? col_scale.data_ptr<float>() : nullptr, bias);
   }
-  return one_block ? out * x_scale * rows_of_scales(weight_scale, block_n, n).t() : out;
+  return out;
 }
 
-void check_fp8_args(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
-                    const at::Tensor& weight_scale, int64_t block_n, int64_t block_k) {
-  TORCH_CHECK(xq.dim() == 2 && weight.dim() == 2 && xq.size(1) == weight.size(1),
-              "qrt_cpu::fp8_gemm: xq [M, K] and weight [N, K] expected, got ", xq.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, "qrt_cpu::fp8_gemm: e4m3 weight expected, got ",
+void check_fp8_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, int64_t block_n,
+                    int64_t block_k) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "qrt_cpu::fp8_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, "qrt_cpu::fp8_linear: e4m3 weight expected, got ",
               weight.scalar_type());
-  TORCH_CHECK(block_n > 0 && block_k > 0, "qrt_cpu::fp8_gemm: block sizes must be positive");
-  const int64_t k_blocks = (weight.size(1) + block_k - 1) / block_k;
+  TORCH_CHECK(block_n > 0 && block_k > 0, "qrt_cpu::fp8_linear: block sizes must be positive");
   TORCH_CHECK(weight_scale.dim() == 2 && weight_scale.size(0) == (weight.size(0) + block_n - 1) / block_n &&
-                  weight_scale.size(1) == k_blocks && weight_scale.scalar_type() == at::kFloat,
-              "qrt_cpu::fp8_gemm: fp32 weight_scale [ceil(N / block_n), ceil(K / block_k)] expected, got ",
+                  weight_scale.size(1) == (weight.size(1) + block_k - 1) / block_k &&
+                  weight_scale.scalar_type() == at::kFloat,
+              "qrt_cpu::fp8_linear: fp32 weight_scale [ceil(N / block_n), ceil(K / block_k)] expected, got ",
               weight_scale.sizes(), " ", weight_scale.scalar_type());
-  TORCH_CHECK(x_scale.dim() == 2 && x_scale.size(0) == xq.size(0) && x_scale.size(1) == k_blocks &&
-                  x_scale.scalar_type() == at::kFloat,
-              "qrt_cpu::fp8_gemm: fp32 x_scale [M, ceil(K / block_k)] expected, got ", x_scale.sizes());
 }
 
-at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
-                    const at::Tensor& weight_scale, int64_t block_n, int64_t block_k, int64_t min_rows_dequantized) {
-  check_fp8_args(xq, x_scale, weight, weight_scale, block_n, block_k);
-  at::Tensor xs = x_scale.contiguous(), w = weight.contiguous(), ws = weight_scale.contiguous();
-  if (xq.size(0) >= min_rows_dequantized) return fp8_gemm_dequantized(xq.contiguous(), xs, w, ws, block_n, block_k);
-  return fp8_gemv(xq, xs, w, ws, block_n, block_k);
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                      const std::optional<at::Tensor>& bias, int64_t block_n, int64_t block_k,
+                      const std::optional<at::Tensor>& input_scale, int64_t min_rows_dequantized) {
+  check_fp8_args(x, weight, weight_scale, block_n, block_k);
+  TORCH_CHECK(!input_scale.has_value() || block_k >= x.size(1),
+              "qrt_cpu::fp8_linear: a static input_scale covers whole rows (block_k = K)");
+  at::Tensor q, x_scale;
+  const at::Tensor xin = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  quantize_activations(xin, block_k, input_scale.value_or(at::Tensor()), q, x_scale);
+  at::Tensor w = weight.contiguous(), ws = weight_scale.contiguous();
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+  const auto dtype = x.scalar_type();
+  const auto out_dtype = dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  at::Tensor out;
+  if (x.size(0) >= min_rows_dequantized && dtype == at::kBFloat16) {
+    out = fp8_linear_dequantized(q, x_scale, w, ws, b_ptr, block_n, block_k, out_dtype);
+  } else {
+    at::Tensor acc = fp8_gemv(q, x_scale, w, ws, block_n, block_k);  // fp32 [M, N]
+    out = at::empty(acc.sizes(), acc.options().dtype(out_dtype));
+    write_tile(acc, out, 0, nullptr, nullptr, b_ptr);
+  }
+  return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
 // ATen's CPU int4 pack (uint8 [N, K / 2]): byte (b, k, d) of its [N / 64, K, 32] view holds output
@@ -347,23 +464,154 @@ void dequantize_int4pack_bf16(const uint8_t* src, int64_t k, int64_t n, int64_t 
   });
 }
 
+// One activation row against ATen's CPU int4 pack, at the memory's speed: the codes of two
+// adjacent columns k, k + 1 are paired byte by byte, looked up as bf16 (q - 8) and multiplied with
+// the bf16 pair (x[k], x[k + 1]) by vdpbf16ps, 64 output rows at a time. The products are exact and
+// summed in fp32; per group, out += scale * sum + offset * sum(x), as ATen's kernel computes
+// W = (q - 8) * scale + offset. The accumulators hold the rows of a block permuted (see kInt4Rows).
+struct Int4Tables {
+  __m512i hi, lo;     // high and low byte of bf16(q - 8) for q in 0..15, in every 128-bit lane
+  __m512i rows[4];    // accumulator a, lane p -> row of the 64-row block (0..63), mod 32
+};
+
+const Int4Tables& int4_tables() {
+  static const Int4Tables tables = [] {
+    Int4Tables t;
+    alignas(64) uint8_t hi[64], lo[64];
+    for (int i = 0; i < 64; ++i) {
+      float value = static_cast<float>(i % 16 - 8);
+      uint32_t bits;
+      std::memcpy(&bits, &value, sizeof(bits));
+      hi[i] = static_cast<uint8_t>(bits >> 24);
+      lo[i] = static_cast<uint8_t>(bits >> 16);
+    }
+    t.hi = _mm512_load_si512(hi);
+    t.lo = _mm512_load_si512(lo);
+    // Pairs of a k-pair's 64 bytes come in the order of d 0-7, 16-23, 8-15, 24-31 per 128-bit lane
+    // (unpacklo/hi of the two columns, then joined); unpack to words takes 4 of a lane's 8 pairs.
+    const int base[4] = {0, 16, 8, 24};
+    alignas(64) int32_t rows[4][16];
+    for (int a = 0; a < 4; ++a)
+      for (int p = 0; p < 16; ++p) rows[a][p] = base[p / 4] + (a % 2) * 4 + p % 4;
+    for (int a = 0; a < 4; ++a) t.rows[a] = _mm512_load_si512(rows[a]);
+    return t;
+  }();
+  return tables;
+}
+
+// scale_offsets of 32 rows (bf16 pairs) -> fp32 scales and offsets, in the accumulator's
+// order given by `rows` (0..31 within these 32 rows).
+inline void int4_group_scales(const uint16_t* pairs, __m512i rows, __m512& scale, __m512& offset) {
+  const __m512i v0 = _mm512_loadu_si512(pairs), v1 = _mm512_loadu_si512(pairs + 32);  // rows 0-15, 16-31
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), s1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+  const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high)), o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+  scale = _mm512_permutex2var_ps(s0, rows, s1);
+  offset = _mm512_permutex2var_ps(o0, rows, o1);
+}
+
+at::Tensor int4pack_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                         const at::Tensor& scale_offsets) {
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / group_size;
+  at::Tensor xc = x.contiguous();
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  std::vector<float> xs(groups, 0.0f);  // sum of x per group, in fp32
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const uint32_t bits = static_cast<uint32_t>(xb[kk]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    xs[kk / group_size] += value;
+  }
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const uint16_t* so = reinterpret_cast<const uint16_t*>(scale_offsets.data_ptr());  // [K / g, N, 2]
+  at::Tensor out = at::empty({1, n}, x.options());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Int4Tables& t = int4_tables();
+  at::parallel_for(0, n / 64, 1, [&](int64_t b_begin, int64_t b_end) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const uint8_t* block = src + b * k * 32;  // [K, 32] bytes of rows 64 b .. 64 b + 63
+      __m512 total[4];
+      for (int a = 0; a < 4; ++a) total[a] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 acc[4];
+        for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_ps();
+        for (int64_t kk = g * group_size; kk < (g + 1) * group_size; kk += 2) {
+          const uint8_t* bytes = block + kk * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+          const __m256i col0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+          const __m256i col1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
+          const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(col0, col1)),
+                                                   _mm256_unpackhi_epi8(col0, col1), 1);
+          const __m512i low = _mm512_and_si512(pairs, nibble);                          // rows d
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), nibble);  // rows d + 32
+          const __m512i xx = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + kk));  // (x[k], x[k+1])
+          const __m512i codes[2] = {low, high};
+          for (int h = 0; h < 2; ++h) {
+            const __m512i hi = _mm512_shuffle_epi8(t.hi, codes[h]), lo = _mm512_shuffle_epi8(t.lo, codes[h]);
+            acc[2 * h] = _mm512_dpbf16_ps(acc[2 * h], (__m512bh)_mm512_unpacklo_epi8(lo, hi), (__m512bh)xx);
+            acc[2 * h + 1] = _mm512_dpbf16_ps(acc[2 * h + 1], (__m512bh)_mm512_unpackhi_epi8(lo, hi), (__m512bh)xx);
+          }
+        }
+        const __m512 sum_x = _mm512_set1_ps(xs[g]);
+        for (int a = 0; a < 4; ++a) {
+          __m512 scale, offset;  // rows 64 b + 32 (a / 2) + t.rows[a]
+          int4_group_scales(so + (g * n + b * 64 + 32 * (a / 2)) * 2, t.rows[a], scale, offset);
+          total[a] = _mm512_fmadd_ps(scale, acc[a], _mm512_fmadd_ps(offset, sum_x, total[a]));
+        }
+      }
+      alignas(64) float values[4][16];
+      for (int a = 0; a < 4; ++a) _mm512_store_ps(values[a], total[a]);
+      alignas(64) float natural[64];
+      for (int a = 0; a < 4; ++a) {
+        alignas(64) int32_t rows[16];
+        _mm512_store_si512(rows, t.rows[a]);
+        for (int p = 0; p < 16; ++p) natural[32 * (a / 2) + rows[p]] = values[a][p];
+      }
+      for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 64 + 16 * q),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(natural + 16 * q)));
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor int4pack_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
                        const at::Tensor& scale_offsets, int64_t min_rows_dequantized) {
   const bool dequantize = x.size(0) >= min_rows_dequantized && x.scalar_type() == at::kBFloat16 &&
                           packed.size(0) % 64 == 0 && packed.is_contiguous();
-  if (!dequantize) return at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_offsets);
+  if (!dequantize) {
+    const bool gemv = x.size(0) == 1 && x.scalar_type() == at::kBFloat16 && packed.size(0) % 64 == 0 &&
+                      packed.is_contiguous() && scale_offsets.is_contiguous() && group_size % 2 == 0;
+    return gemv ? int4pack_gemv(x, packed, group_size, scale_offsets)
+                : at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_offsets);
+  }
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   at::Tensor scales = scale_offsets.select(2, 0).to(at::kFloat).contiguous();   // [K / group, N]
   at::Tensor offsets = scale_offsets.select(2, 1).to(at::kFloat).contiguous();  // [K / group, N]
   const int64_t tile = tile_rows(k, 64);
-  at::Tensor buffer = at::empty({k, std::min(tile, n)}, x.options());
+  uint16_t* buffer = scratch_bf16(k * std::min(tile, n));
   at::Tensor xc = x.contiguous();
-  return tiled_mm(xc, n, tile, true, [&](int64_t n0, int64_t rows) {
-    at::Tensor w = rows == buffer.size(1) ? buffer : at::empty({k, rows}, x.options());
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  for (int64_t n0 = 0; n0 < n; n0 += tile) {
+    const int64_t rows = std::min(tile, n - n0);
     dequantize_int4pack_bf16(packed.data_ptr<uint8_t>(), k, n, group_size, scales.data_ptr<float>(),
-                             offsets.data_ptr<float>(), n0, rows, reinterpret_cast<uint16_t*>(w.data_ptr()));
-    return w;
-  }).to(at::kBFloat16);
+                             offsets.data_ptr<float>(), n0, rows, buffer);
+    write_tile(at::mm(xc, at::from_blob(buffer, {k, rows}, x.options())), out, n0, nullptr, nullptr, nullptr);
+  }
+  return out;
+}
+
+// int8 codes -> bf16 (exact), `count` of them.
+void widen_int8_rows_bf16(const int8_t* src, int64_t count, uint16_t* dst) {
+  at::parallel_for(0, (count + 15) / 16, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const __mmask16 mask = mask16(count - 16 * i);
+      __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src + 16 * i)));
+      _mm256_mask_storeu_epi16(dst + 16 * i, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  });
 }
 
 at::Tensor int8pack_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -371,24 +619,32 @@ at::Tensor int8pack_mm(const at::Tensor& x, const at::Tensor& weight, const at::
   if (x.size(0) < min_rows_dequantized || x.scalar_type() != at::kBFloat16) {
     return at::_weight_int8pack_mm(x, weight, scales);
   }
-  // The codes are exact in bf16; the per-channel scale is applied to the GEMM's output.
-  at::Tensor out = tiled_mm(x, weight.size(0), tile_rows(weight.size(1), 16), false, [&](int64_t n0, int64_t rows) {
-    return weight.narrow(0, n0, rows).to(at::kBFloat16);
-  });
-  return (out * scales.to(at::kFloat)).to(at::kBFloat16);
+  // The codes are exact in bf16; the per-channel scale is applied to the GEMM's output as it is written.
+  const int64_t n = weight.size(0), k = weight.size(1), tile = tile_rows(k, 16);
+  at::Tensor col_scale = scales.to(at::kFloat).contiguous();
+  at::Tensor xc = x.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  uint16_t* buffer = scratch_bf16(std::min(tile, n) * k);
+  for (int64_t n0 = 0; n0 < n; n0 += tile) {
+    const int64_t rows = std::min(tile, n - n0);
+    widen_int8_rows_bf16(w.data_ptr<int8_t>() + n0 * k, rows * k, buffer);
+    write_tile(at::mm(xc, at::from_blob(buffer, {rows, k}, x.options()).t()), out, n0, nullptr,
+               col_scale.data_ptr<float>(), nullptr);
+  }
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(qrt_cpu, m) {
-  m.def("fp8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor weight_scale, int block_n, int block_k, "
-        "int min_rows_dequantized) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, "
+        "Tensor? input_scale, int min_rows_dequantized) -> Tensor");
   m.def("int4pack_mm(Tensor x, Tensor packed, int group_size, Tensor scale_offsets, int min_rows_dequantized) -> Tensor");
   m.def("int8pack_mm(Tensor x, Tensor weight, Tensor scales, int min_rows_dequantized) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qrt_cpu, CPU, m) {
-  m.impl("fp8_gemm", &fp8_gemm);
+  m.impl("fp8_linear", &fp8_linear);
   m.impl("int4pack_mm", &int4pack_mm);
   m.impl("int8pack_mm", &int8pack_mm);
 }
