@@ -10,8 +10,9 @@ so that every call reads its weight from memory as a decode step does, of:
 - fp8 GEMV / fp8 deq: `qrt_cpu::fp8_linear` with per-channel scales (activations quantized per
   token inside, as the model runs it), forced to its GEMV route or to its dequantize + bf16 GEMM
   route;
-- aten int4 / int4 deq: ATen's `_weight_int4pack_mm_for_cpu` (groups of 64), and
-  `qrt_cpu::int4pack_mm` forced to dequantize + bf16 GEMM;
+- aten int4 / int4 GEMV / int4 deq: ATen's `_weight_int4pack_mm_for_cpu` (groups of 64), and
+  `qrt_cpu::int4pack_mm` at M = 1 (its GEMV on the same pack; at M > 1 it calls ATen's kernel, so
+  that column is left out) or forced to dequantize + bf16 GEMM;
 - aten int8 / int8 deq: the same for `_weight_int8pack_mm`.
 In brackets, each kernel's speed as a multiple of bf16's at the same shape (> 1: faster). Each
 route is checked against a float reference before it is timed. Run on a quiet machine.
@@ -67,7 +68,7 @@ def main() -> int:
     if not native_cpu.available():
         raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
     rows = [int(v) for v in args.m.split(",")]
-    names = ["bf16", "fp8 GEMV", "fp8 deq", "aten int4", "int4 deq", "aten int8", "int8 deq"]
+    names = ["bf16", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 deq"]
     print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
     print("| [N, K] | M | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 2))
@@ -97,6 +98,8 @@ def main() -> int:
                             lambda: (w_fp8.clone(),), n * k, fp8_expected),
                 "aten int4": (lambda p_: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p_, GROUP, so),
                               lambda: (packed4.clone(),), n * k // 2, None),
+                "int4 GEMV": (lambda p_: torch.ops.qrt_cpu.int4pack_mm(x, p_, GROUP, so, NEVER),
+                              lambda: (packed4.clone(),), n * k // 2, int4_expected),
                 "int4 deq": (lambda p_: torch.ops.qrt_cpu.int4pack_mm(x, p_, GROUP, so, ALWAYS),
                              lambda: (packed4.clone(),), n * k // 2, int4_expected),
                 "aten int8": (lambda w_: torch.ops.aten._weight_int8pack_mm(x, w_, s8),
@@ -105,6 +108,8 @@ def main() -> int:
                              lambda: (w8.clone(),), n * k, int8_expected),
             }
             calls = 200 if m <= 16 else 40 if m <= 128 else 15
+            if m > 1:
+                del options["int4 GEMV"]
             figures = {}
             for name, (fn, make, nbytes, expected) in options.items():
                 operands = ring(make, nbytes)
@@ -112,7 +117,8 @@ def main() -> int:
                     check(f"{name} at {n}x{k}, M={m}", fn(*operands[0]), expected)
                 figures[name] = median_us(fn, operands, calls)
                 del operands
-            cells = [f"{figures[name]:.0f} [{figures['bf16'] / figures[name]:.2f}]" for name in names]
+            cells = [f"{figures[name]:.0f} [{figures['bf16'] / figures[name]:.2f}]" if name in figures else "—"
+                     for name in names]
             print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
         del packed_bf16
     return 0
