@@ -45,7 +45,9 @@ def test_second_start_loads_the_graphs_and_decodes_the_same(llama_dir, cache_dir
     assert list(cache_dir.joinpath("compiled").glob("*.qrtc")) == [entry]  # a hit writes nothing new
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_payload_byte", "garbage_header", "valid_checksum_bad_payload"])
+# Two kinds of damage by default (a short file, a checksum mismatch); the other two in `make test-slow`.
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload_byte", pytest.param("garbage_header", marks=pytest.mark.slow),
+                                    pytest.param("valid_checksum_bad_payload", marks=pytest.mark.slow)])
 def test_a_broken_entry_is_reported_in_one_line_and_rebuilt(llama_dir, cache_dir, capfd, damage):
     expected = start(llama_dir).generate(PROMPT, max_new_tokens=6, stop_at_eos=False)
     entry = only_entry(cache_dir)

@@ -65,7 +65,13 @@ def test_every_registered_format_has_a_case():
     assert set(CASES) - {"none"} <= registry_ids(), "a case names a format the registry no longer has"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# Compiled by default: one case per CPU kernel; these three run a kernel another case compiles
+# (their loaders run by default in the eager tests below), and compile in `make test-slow`.
+COMPILED_IN_SLOW = {"side-file:hf_quant_config.json", "compressed-tensors:int W8A8", "online:int4-g128"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in COMPILED_IN_SLOW else n
+                                  for n in sorted(CASES)])
 def test_compiled_equals_eager_in_one_graph_per_role_with_the_cpu_kernels(name, case_folder, compiled_case):
     case = CASES[name]
     model = compiled_case(name)
