@@ -171,16 +171,18 @@ def test_int4_pack_gemv_and_dequantized_routes_match_the_exact_sum(n, k, group, 
     assert_within(got, expected, bound)
 
 
-def test_int8_pack_dequantized_route_matches_aten():
+@pytest.mark.parametrize("m", [1, 5, 9, int_cpu.MIN_ROWS_DEQUANTIZED])
+@pytest.mark.parametrize("n,k", [(96, 192), (37, 100)])
+def test_int8_pack_gemv_and_dequantized_routes_match_the_exact_sum(m, n, k):
+    """Below the threshold: qrt's GEMV (the codes widened by conversion); from it: dequantized."""
     gen = torch.Generator().manual_seed(8)
-    n, k = 96, 192
     weight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
-    x = torch.randn(int_cpu.MIN_ROWS_DEQUANTIZED, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     exact = weight.double() * scales.double()[:, None]  # [N, K]
     expected = x.double() @ exact.t()
     got = torch.ops.qrt_cpu.int8pack_mm(x, weight, scales, int_cpu.MIN_ROWS_DEQUANTIZED)
-    # A bf16 GEMM output, then the scale applied in bf16: two roundings of 2**-9.
+    # GEMV: exact products summed in fp32, one bf16 output; dequantized: a bf16 GEMM output too.
     assert_within(got, expected, 2.0**-7 * (x.double().abs() @ exact.abs().t()))
 
 

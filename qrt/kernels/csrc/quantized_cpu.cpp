@@ -20,7 +20,9 @@
 //     faster than ATen's kernel (docs/cpu-kernels.md).
 //
 //   int8pack_mm(x [M, K], weight int8 [N, K], scales [N], min_rows_dequantized) -> [M, N]
-//     The same choice for ATen's int8 weight-only kernel; the int8 codes are exact in bf16.
+//     ATen's int8 weight-only layout. Few rows: the fp8 GEMV's loop with the codes widened by
+//     conversion (exact in bf16). Many: dequantized tile by tile, as above. fp32 activations:
+//     ATen's own kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -91,8 +93,9 @@ inline __mmask64 chunk_mask(int64_t remaining) {
 }
 
 // q [M, K] (bf16 bits) -> [M, K'] in the GEMV's order: each K-block padded with zeros to whole
-// chunks of 64, each chunk's 32 `a` slots then its 32 `b` slots (see widen_fp8x64).
-at::Tensor permuted_activations(const at::Tensor& q, int64_t block_k) {
+// chunks of 64; `permuted`: each chunk's 32 `a` slots then its 32 `b` slots (see widen_fp8x64),
+// else in order (Int8Widen).
+at::Tensor permuted_activations(const at::Tensor& q, int64_t block_k, bool permuted) {
   const int64_t m_rows = q.size(0), k = q.size(1);
   const int64_t blocks = (k + block_k - 1) / block_k;
   const int64_t padded = (blocks - 1) * chunked_width(block_k) + chunked_width(k - (blocks - 1) * block_k);
@@ -106,7 +109,7 @@ at::Tensor permuted_activations(const at::Tensor& q, int64_t block_k) {
       for (int64_t c = 0; c < width; ++c) {
         const int64_t chunk = c / kChunk, j = c % kChunk;
         const int64_t lane = j / 16, within = j % 16;
-        const int64_t slot = within < 8 ? lane * 8 + within : 32 + lane * 8 + within - 8;
+        const int64_t slot = !permuted ? j : within < 8 ? lane * 8 + within : 32 + lane * 8 + within - 8;
         dst[m * padded + offset + chunk * kChunk + slot] = src[m * k + k0 + c];
       }
       offset += chunked_width(width);
@@ -191,8 +194,28 @@ void quantize_activations(const at::Tensor& x, int64_t block_k, const at::Tensor
   });
 }
 
+// How the GEMV widens 64 weight codes into two registers of bf16 pairs, and in which order the
+// activations must be laid out to match.
+struct Fp8Widen {  // e4m3 codes, by table lookup (widen_fp8x64)
+  static constexpr bool kPermuted = true;
+  const Fp8Tables& t = fp8_tables();
+  void operator()(__m512i codes, __m512i& a, __m512i& b) const { widen_fp8x64(codes, t, a, b); }
+};
+
+struct Int8Widen {  // int8 codes, exact in bf16: widened to fp32 and packed, elements in order
+  static constexpr bool kPermuted = false;
+  void operator()(__m512i codes, __m512i& a, __m512i& b) const {
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(codes)));
+    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 1)));
+    const __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 2)));
+    const __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 3)));
+    a = (__m512i)_mm512_cvtne2ps_pbh(f1, f0);  // elements 0-31
+    b = (__m512i)_mm512_cvtne2ps_pbh(f3, f2);  // elements 32-63
+  }
+};
+
 struct Fp8GemvArgs {
-  const uint8_t* weight;  // [N, K] e4m3 codes
+  const uint8_t* weight;  // [N, K] codes (e4m3 or int8)
   const uint16_t* xp;     // [M, padded] bf16 bits, permuted
   const float* x_scale;   // [M, Kb]
   const float* w_scale;   // [Nb, Kb]
@@ -203,10 +226,10 @@ struct Fp8GemvArgs {
 // Activation rows [m0, m0 + Rows) against weight rows [n_begin, n_end), over the loop blocks
 // [lb0, lb1) of `loop_k` columns each: the scale blocks, or for one scale block slices of K that keep
 // the activations in L1. Adds into `out` when `accumulate` (a later slice), else stores.
-template <int Rows, bool OneBlock>
-void fp8_gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end, int64_t lb0, int64_t lb1,
-                    int64_t loop_k, bool accumulate) {
-  const Fp8Tables& t = fp8_tables();
+template <int Rows, bool OneBlock, class Widen>
+void gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end, int64_t lb0, int64_t lb1,
+                int64_t loop_k, bool accumulate) {
+  const Widen widen;
   const uint16_t* xp = p.xp + m0 * p.padded;
   // Prefetching well ahead keeps enough reads in flight to run at the memory's speed (without it
   // this loop read 13 GB/s where oneDNN's bf16 GEMV read 42). Within a slice of K the next row's
@@ -226,7 +249,7 @@ void fp8_gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n
         const uint8_t* codes = row + k0 + c;
         _mm_prefetch(reinterpret_cast<const char*>(codes) + ahead, _MM_HINT_T0);
         __m512i a, b;
-        widen_fp8x64(_mm512_maskz_loadu_epi8(chunk_mask(width - c), codes), t, a, b);
+        widen(_mm512_maskz_loadu_epi8(chunk_mask(width - c), codes), a, b);
         for (int r = 0; r < Rows; ++r) {
           const uint16_t* xr = x + r * p.padded + c;
           acc_a[r] = _mm512_dpbf16_ps(acc_a[r], (__m512bh)a, (__m512bh)_mm512_loadu_si512(xr));
@@ -252,35 +275,37 @@ void fp8_gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n
   }
 }
 
-template <int Rows, bool OneBlock>
-void fp8_gemv_sliced(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end) {
+template <int Rows, bool OneBlock, class Widen>
+void gemv_sliced(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end) {
   // Activation columns per slice: Rows rows of bf16 in part of the L1.
   const int64_t budget = std::max<int64_t>(kChunk, kL1ActivationBytes / (2 * Rows) / kChunk * kChunk);
   const int64_t loop_k = OneBlock ? (p.k <= budget ? p.k : budget) : p.block_k;
   const int64_t loop_blocks = (p.k + loop_k - 1) / loop_k;
   const int64_t per_slice = OneBlock ? 1 : std::max<int64_t>(1, budget / chunked_width(p.block_k));
   for (int64_t lb = 0; lb < loop_blocks; lb += per_slice) {
-    fp8_gemv_slice<Rows, OneBlock>(p, m0, n_begin, n_end, lb, std::min(loop_blocks, lb + per_slice), loop_k, lb > 0);
+    gemv_slice<Rows, OneBlock, Widen>(p, m0, n_begin, n_end, lb, std::min(loop_blocks, lb + per_slice), loop_k, lb > 0);
   }
 }
 
-template <int Rows>
-void fp8_gemv_rows(const Fp8GemvArgs& p, int64_t m0, int64_t rows, int64_t n_begin, int64_t n_end) {
+template <int Rows, class Widen>
+void gemv_rows(const Fp8GemvArgs& p, int64_t m0, int64_t rows, int64_t n_begin, int64_t n_end) {
   if constexpr (Rows > 1) {
-    if (rows < Rows) return fp8_gemv_rows<Rows - 1>(p, m0, rows, n_begin, n_end);
+    if (rows < Rows) return gemv_rows<Rows - 1, Widen>(p, m0, rows, n_begin, n_end);
   }
   if (p.k_blocks == 1) {
-    fp8_gemv_sliced<Rows, true>(p, m0, n_begin, n_end);
+    gemv_sliced<Rows, true, Widen>(p, m0, n_begin, n_end);
   } else {
-    fp8_gemv_sliced<Rows, false>(p, m0, n_begin, n_end);
+    gemv_sliced<Rows, false, Widen>(p, m0, n_begin, n_end);
   }
 }
 
-// q [M, K] bf16 (e4m3 values), x_scale [M, Kb] -> fp32 [M, N], without the bias.
-at::Tensor fp8_gemv(const at::Tensor& q, const at::Tensor& x_scale, const at::Tensor& weight,
-                    const at::Tensor& weight_scale, int64_t block_n, int64_t block_k) {
+// q [M, K] bf16, x_scale [M, Kb] against weight codes [N, K] and weight_scale [Nb, Kb] -> fp32 [M, N],
+// without the bias.
+template <class Widen>
+at::Tensor gemv(const at::Tensor& q, const at::Tensor& x_scale, const at::Tensor& weight,
+                const at::Tensor& weight_scale, int64_t block_n, int64_t block_k) {
   const int64_t m_rows = q.size(0), k = q.size(1), n = weight.size(0);
-  at::Tensor xp = permuted_activations(q, block_k);
+  at::Tensor xp = permuted_activations(q.contiguous(), block_k, Widen::kPermuted);
   at::Tensor out = at::empty({m_rows, n}, q.options().dtype(at::kFloat));
   Fp8GemvArgs p{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
                 reinterpret_cast<const uint16_t*>(xp.data_ptr()),
@@ -289,7 +314,7 @@ at::Tensor fp8_gemv(const at::Tensor& q, const at::Tensor& x_scale, const at::Te
   // Each thread takes a run of output channels: its weight rows are read once, front to back.
   at::parallel_for(0, n, 16, [&](int64_t n_begin, int64_t n_end) {
     for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxTileRows) {
-      fp8_gemv_rows<kMaxTileRows>(p, m0, std::min<int64_t>(kMaxTileRows, m_rows - m0), n_begin, n_end);
+      gemv_rows<kMaxTileRows, Widen>(p, m0, std::min<int64_t>(kMaxTileRows, m_rows - m0), n_begin, n_end);
     }
   });
   return out;
@@ -427,7 +452,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   if (x.size(0) >= min_rows_dequantized && dtype == at::kBFloat16) {
     out = fp8_linear_dequantized(q, x_scale, w, ws, b_ptr, block_n, block_k, out_dtype);
   } else {
-    at::Tensor acc = fp8_gemv(q, x_scale, w, ws, block_n, block_k);  // fp32 [M, N]
+    at::Tensor acc = gemv<Fp8Widen>(q, x_scale, w, ws, block_n, block_k);  // fp32 [M, N]
     out = at::empty(acc.sizes(), acc.options().dtype(out_dtype));
     write_tile(acc, out, 0, nullptr, nullptr, b_ptr);
   }
@@ -616,8 +641,15 @@ void widen_int8_rows_bf16(const int8_t* src, int64_t count, uint16_t* dst) {
 
 at::Tensor int8pack_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        int64_t min_rows_dequantized) {
-  if (x.size(0) < min_rows_dequantized || x.scalar_type() != at::kBFloat16) {
-    return at::_weight_int8pack_mm(x, weight, scales);
+  if (x.scalar_type() != at::kBFloat16) return at::_weight_int8pack_mm(x, weight, scales);
+  if (x.size(0) < min_rows_dequantized) {
+    // The GEMV, its activations unquantized (scale one) and the channel scales per row.
+    const int64_t m_rows = x.size(0), n = weight.size(0), k = weight.size(1);
+    at::Tensor acc = gemv<Int8Widen>(x, at::ones({m_rows, 1}, x.options().dtype(at::kFloat)), weight.contiguous(),
+                                     scales.to(at::kFloat).reshape({n, 1}).contiguous(), 1, k);
+    at::Tensor out = at::empty({m_rows, n}, x.options());
+    write_tile(acc, out, 0, nullptr, nullptr, nullptr);
+    return out;
   }
   // The codes are exact in bf16; the per-channel scale is applied to the GEMM's output as it is written.
   const int64_t n = weight.size(0), k = weight.size(1), tile = tile_rows(k, 16);
