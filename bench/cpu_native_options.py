@@ -13,7 +13,8 @@ so that every call reads its weight from memory as a decode step does, of:
 - aten int4 / int4 GEMV / int4 deq: ATen's `_weight_int4pack_mm_for_cpu` (groups of 64), and
   `qrt_cpu::int4pack_mm` at M = 1 (its GEMV on the same pack; at M > 1 it calls ATen's kernel, so
   that column is left out) or forced to dequantize + bf16 GEMM;
-- aten int8 / int8 deq: the same for `_weight_int8pack_mm`.
+- aten int8 / int8 GEMV / int8 deq: the same for `_weight_int8pack_mm`, and `qrt_cpu::int8pack_mm`
+  forced to its GEMV or to its dequantized route.
 In brackets, each kernel's speed as a multiple of bf16's at the same shape (> 1: faster). Each
 route is checked against a float reference before it is timed. Run on a quiet machine.
 """
@@ -68,7 +69,8 @@ def main() -> int:
     if not native_cpu.available():
         raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
     rows = [int(v) for v in args.m.split(",")]
-    names = ["bf16", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 deq"]
+    names = ["bf16", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 GEMV",
+             "int8 deq"]
     print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
     print("| [N, K] | M | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 2))
@@ -104,6 +106,8 @@ def main() -> int:
                              lambda: (packed4.clone(),), n * k // 2, int4_expected),
                 "aten int8": (lambda w_: torch.ops.aten._weight_int8pack_mm(x, w_, s8),
                               lambda: (w8.clone(),), n * k, None),
+                "int8 GEMV": (lambda w_: torch.ops.qrt_cpu.int8pack_mm(x, w_, s8, NEVER),
+                              lambda: (w8.clone(),), n * k, int8_expected),
                 "int8 deq": (lambda w_: torch.ops.qrt_cpu.int8pack_mm(x, w_, s8, ALWAYS),
                              lambda: (w8.clone(),), n * k, int8_expected),
             }
