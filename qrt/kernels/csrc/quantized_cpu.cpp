@@ -39,14 +39,11 @@ namespace {
 
 constexpr int64_t kChunk = 64;  // fp8 codes widened per step of the GEMV
 constexpr int kMaxTileRows = 8;  // activation rows sharing one read of the weights
-#ifndef QRT_L1
-#define QRT_L1 40960
-#endif
-#ifndef QRT_PREFETCH
-#define QRT_PREFETCH 4096
-#endif
-constexpr int64_t kPrefetchBytes = QRT_PREFETCH;
-constexpr int64_t kL1ActivationBytes = QRT_L1;
+// How far ahead of the read the GEMVs prefetch weight bytes (4 KiB measured fastest; 512 B, 2 KiB
+// slower, 8 KiB no better: docs/cpu-kernels.md).
+constexpr int64_t kPrefetchBytes = 4096;
+// Activation bytes a GEMV slice of K keeps in L1 (48 KiB per core here), beside the streaming weights.
+constexpr int64_t kL1ActivationBytes = 40960;
 constexpr int64_t kTileBytes = 4 << 20;  // dequantized weights per GEMM of the dequantized routes
 
 // e4m3 -> bf16 by table lookup: vpermi2b looks up the high and the low byte of the bf16 bits of
@@ -214,9 +211,9 @@ struct Int8Widen {  // int8 codes, exact in bf16: widened to fp32 and packed, el
   }
 };
 
-struct Fp8GemvArgs {
+struct GemvArgs {
   const uint8_t* weight;  // [N, K] codes (e4m3 or int8)
-  const uint16_t* xp;     // [M, padded] bf16 bits, permuted
+  const uint16_t* xp;     // [M, padded] bf16 bits, in the Widen's order (permuted_activations)
   const float* x_scale;   // [M, Kb]
   const float* w_scale;   // [Nb, Kb]
   float* out;             // [M, N]
@@ -227,7 +224,7 @@ struct Fp8GemvArgs {
 // [lb0, lb1) of `loop_k` columns each: the scale blocks, or for one scale block slices of K that keep
 // the activations in L1. Adds into `out` when `accumulate` (a later slice), else stores.
 template <int Rows, bool OneBlock, class Widen>
-void gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end, int64_t lb0, int64_t lb1,
+void gemv_slice(const GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end, int64_t lb0, int64_t lb1,
                 int64_t loop_k, bool accumulate) {
   const Widen widen;
   const uint16_t* xp = p.xp + m0 * p.padded;
@@ -276,7 +273,7 @@ void gemv_slice(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end
 }
 
 template <int Rows, bool OneBlock, class Widen>
-void gemv_sliced(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end) {
+void gemv_sliced(const GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_end) {
   // Activation columns per slice: Rows rows of bf16 in part of the L1.
   const int64_t budget = std::max<int64_t>(kChunk, kL1ActivationBytes / (2 * Rows) / kChunk * kChunk);
   const int64_t loop_k = OneBlock ? (p.k <= budget ? p.k : budget) : p.block_k;
@@ -288,7 +285,7 @@ void gemv_sliced(const Fp8GemvArgs& p, int64_t m0, int64_t n_begin, int64_t n_en
 }
 
 template <int Rows, class Widen>
-void gemv_rows(const Fp8GemvArgs& p, int64_t m0, int64_t rows, int64_t n_begin, int64_t n_end) {
+void gemv_rows(const GemvArgs& p, int64_t m0, int64_t rows, int64_t n_begin, int64_t n_end) {
   if constexpr (Rows > 1) {
     if (rows < Rows) return gemv_rows<Rows - 1, Widen>(p, m0, rows, n_begin, n_end);
   }
@@ -307,7 +304,7 @@ at::Tensor gemv(const at::Tensor& q, const at::Tensor& x_scale, const at::Tensor
   const int64_t m_rows = q.size(0), k = q.size(1), n = weight.size(0);
   at::Tensor xp = permuted_activations(q.contiguous(), block_k, Widen::kPermuted);
   at::Tensor out = at::empty({m_rows, n}, q.options().dtype(at::kFloat));
-  Fp8GemvArgs p{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
+  GemvArgs p{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
                 reinterpret_cast<const uint16_t*>(xp.data_ptr()),
                 x_scale.data_ptr<float>(), weight_scale.data_ptr<float>(), out.data_ptr<float>(),
                 n, k, xp.size(1), weight_scale.size(1), block_n, block_k};
