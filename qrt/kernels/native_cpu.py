@@ -8,7 +8,7 @@ Inductor ones (each declaration's `accepts`).
 The build is cached by torch's extension builder under $TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions), in a folder named after a hash of the source and flags, so an edited
 source builds afresh and a stale library is never loaded. `make setup` builds it once
-(`qrt.kernels.native_cpu.why_unavailable()`); otherwise the first model load does, in about a minute.
+(`qrt.kernels.native_cpu.why_unavailable()`); otherwise the first model load does, in about 10 s.
 
 QRT_NATIVE_CPU=0 turns them off, to compare against the kernels they replace.
 """
@@ -76,7 +76,7 @@ def _load() -> str | None:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not any(build_dir.glob(f"{name}*.so")):
-        print("qrt: building its CPU kernels (first use with this torch, about a minute)", file=sys.stderr, flush=True)
+        print("qrt: building its CPU kernels (first use with this torch, about 10 s)", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
