@@ -140,6 +140,20 @@ def arch_folders(tmp_path_factory):
     return folders
 
 
+@pytest.fixture(scope="module")
+def gptq_in_order_folders(tmp_path_factory):
+    """GPTQ without act-order, with the g_idx (k // G) that GPTQModel writes for every layer."""
+    root = tmp_path_factory.mktemp("tp-gptq")
+    folders = {}
+    with shapes_that_split_in_two():
+        for sym in (True, False):
+            name = f"gptq g32 {'sym' if sym else 'asym'}"
+            config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": sym}
+            folders[name] = root / name.replace(" ", "-")
+            make_int_checkpoint(folders[name], "gptq", config, bits=4, group_size=32, sym=sym, seed=5)
+    return folders
+
+
 # int4 compiled: quantized layers on ATen's int4 kernel, an int8 lm_head, a bf16 embedding. With a
 # one-token prompt (a decode step) only the decode graph, the hot loop, compiles on each rank:
 # prefill and forward would be two more compiles in the default test run.
@@ -148,13 +162,13 @@ ONE_TOKEN = [PROMPT[0]]
 
 
 @pytest.fixture(scope="module")
-def sharded(format_folders, arch_folders, llama_172mb, tmp_path_factory):
+def sharded(format_folders, arch_folders, gptq_in_order_folders, llama_172mb, tmp_path_factory):
     """One torchrun run at tp=2 of every format case and architecture, and one compiled model.
     The memory test's model loads second: after a tiny model, which brings in what the first
     load imports, and before the others, while the peak RSS is still its own."""
     jobs = [job("none", format_folders["none"]), memory_job(llama_172mb)]
     jobs += [job(name, folder, CASES[name].quant) for name, folder in format_folders.items() if name != "none"]
-    jobs += [job(name, folder) for name, folder in arch_folders.items()]
+    jobs += [job(name, folder) for name, folder in {**arch_folders, **gptq_in_order_folders}.items()]
     jobs.append(dict(job(COMPILED, format_folders["online:int4"], "int4", compile=True), forward=False,
                      prompt=ONE_TOKEN, again_prompt=[PROMPT[1]]))
     return run_sharded(jobs, tmp_path_factory.mktemp("tp-run"))
@@ -178,6 +192,16 @@ def test_architectures_shard_kv_heads_split_replicated_and_fused_on_disk(arch_fo
     assert [s["model.layers.0.mlp.gate.weight"] for s in shapes] == [[6, 64]] * 2
 
 
+def test_gptq_without_act_order_shards_its_group_indices(gptq_in_order_folders, sharded):
+    # Each rank holds the groups of its own input channels and numbers them from 0; the stored
+    # g_idx numbers them from the layer's first group. Loaded one after another in one process.
+    for name, folder in gptq_in_order_folders.items():
+        logits, tokens = single_rank(folder)
+        got = sharded[name]
+        assert relative_l2(got["logits"], logits) < 1e-5, name
+        assert got["tokens"] == tokens, name
+
+
 def test_compiled_sharded_model_keeps_one_graph_per_role_on_every_rank(format_folders, sharded):
     _, tokens = single_rank(format_folders["online:int4"], "int4", prompt=ONE_TOKEN)
     got = sharded[COMPILED]
@@ -189,12 +213,24 @@ def test_compiled_sharded_model_keeps_one_graph_per_role_on_every_rank(format_fo
 
 
 # ---- refusals: from the headers and the config alone, before any weight is read ---------------
-def _load_as_rank(folder, tp: int, quant=None):
+def _load_as_rank(folder, tp: int, quant=None, rank=0):
     checkpoint = SafetensorsCheckpoint(folder)
     model_cls = ModelRegistry.resolve(checkpoint.hf_config, source=checkpoint.config_path)
     scheme = resolve_scheme(checkpoint.hf_config, quant, checkpoint.config_path, checkpoint.folder)
     return load_model(model_cls, checkpoint, scheme, LoadConfig(progress=False), DeviceConfig(),
-                      Parallelism(tp, 0, None))
+                      Parallelism(tp, rank, None))
+
+
+def test_a_g_idx_that_contradicts_no_act_order_is_refused_at_tp2(tmp_path):
+    # desc_act false, but the group indices move channels between groups: a rank that holds only
+    # its own channels' groups cannot run them, and says what to change.
+    folder = tmp_path / "gptq"
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    with shapes_that_split_in_two():
+        make_int_checkpoint(folder, "gptq", config, bits=4, group_size=32, act_order=True)
+    with pytest.raises(UnsupportedError, match=r"o_proj.g_idx: the group indices reorder input channels across "
+                                               r"groups.*set desc_act/actorder in the config.*or run with tp=1"):
+        _load_as_rank(folder, 2, rank=1)
 
 
 def test_heads_that_do_not_split_are_refused_with_the_largest_tp_that_works(llama_dir):

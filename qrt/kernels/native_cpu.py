@@ -40,14 +40,39 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def why_unavailable() -> str | None:
-    """None when the kernels can be built and loaded here; otherwise the reason."""
+def why_not_wanted() -> str | None:
+    """Why the kernels are not to be built here at all (switched off, or the CPU lacks their
+    instructions), or None when they should build and load."""
     if os.environ.get("QRT_NATIVE_CPU", "1") == "0":
         return "QRT_NATIVE_CPU=0"
     missing = [flag for flag in _NEEDED_CPU_FLAGS if flag not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    return _load()
+    return None
+
+
+def why_unavailable() -> str | None:
+    """None when the kernels can be built and loaded here; otherwise the reason."""
+    return why_not_wanted() or _load()
+
+
+def main() -> int:
+    """make setup (and CI) call this: build the kernels now. A build that
+    fails on a CPU that has their instructions is an error (exit 1, the compiler's output shown),
+    not a quiet fallback; QRT_NATIVE_CPU=0 chooses the fallback on purpose."""
+    reason = why_not_wanted()
+    if reason is not None:
+        print(f"qrt CPU kernels: not built ({reason}); ATen's kernels run instead")
+        return 0
+    failure = _load()
+    if failure is not None:
+        print(_build_log(), file=sys.stderr)
+        print(f"qrt CPU kernels: {failure}", file=sys.stderr)
+        print("This CPU has the instructions the kernels need, so the build should succeed; set QRT_NATIVE_CPU=0 "
+              "to run without them on purpose.", file=sys.stderr)
+        return 1
+    print("qrt CPU kernels: built")
+    return 0
 
 
 def available() -> bool:
@@ -64,9 +89,19 @@ def _warn_once(reason: str) -> None:
                       f"fp8 weights are widened to bf16", stacklevel=3)
 
 
-@functools.cache
 def _load() -> str | None:
-    """Build (or find built) and load the library; None on success, else why it failed."""
+    """Build (or find built) and load the library; None on success, else why it failed (the
+    first error line of the build)."""
+    log = _build_log()
+    if log is None:
+        return None
+    first_error = next((line for line in log.splitlines() if "error:" in line), log.splitlines()[-1])
+    return f"building {SOURCE.name} failed: {first_error.strip()}"
+
+
+@functools.cache
+def _build_log() -> str | None:
+    """Build (or find built) and load the library; None on success, else the build's whole message."""
     from torch.utils import cpp_extension
 
     source = SOURCE.read_text()
@@ -81,9 +116,7 @@ def _load() -> str | None:
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: fall back, say why
-        lines = str(error).strip().splitlines() or [repr(error)]
-        first_error = next((line for line in lines if "error:" in line), lines[-1])
-        return f"building {SOURCE.name} failed: {first_error.strip()}"
+        return str(error).strip() or repr(error)
     _register_fakes()
     return None
 
@@ -103,3 +136,6 @@ def _register_fakes() -> None:
     def _(x, weight, scales, min_rows_dequantized):
         return x.new_empty(x.shape[0], weight.shape[0])
 
+
+if __name__ == "__main__":
+    sys.exit(main())

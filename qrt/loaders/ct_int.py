@@ -21,7 +21,7 @@ from qrt.kernels.int_reference import pack_factor, unpack_rows
 
 from .errors import TensorMismatch, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
-                          loaded_g_idx, remove_parameters, shard_slot, whole_shard_shape)
+                          loaded_g_idx, rank_group_indices, remove_parameters, shard_slot, whole_shard_shape)
 from .linear import LinearMethod, check_shape, copy_rows, make_parameter
 from .tensor_parallel import DENSE_WEIGHT, WHOLE, TensorSplit
 from .quant import QuantScheme
@@ -72,13 +72,15 @@ class CtIntLinearMethod(LinearMethod):
 
     def tensor_split(self, layer, param_name: str):
         # As GPTQ's: per-channel scales have no K, and act-order layers split along K keep every group.
-        whole_groups = self.cfg.group_size == -1 or self._whole_groups(layer)
-        grouped = TensorSplit(0, None if whole_groups else 1)
+        grouped = TensorSplit(0, 1 if self._groups_split_along_k(layer) else None)
         return {"weight_packed": DENSE_WEIGHT, "weight": DENSE_WEIGHT, "weight_shape": WHOLE, "weight_scale": grouped,
                 "weight_zero_point": grouped, "weight_g_idx": TensorSplit(None, 0)}.get(param_name)
 
     def _whole_groups(self, layer) -> bool:
         return self.cfg.actorder and layer.splits_input
+
+    def _groups_split_along_k(self, layer) -> bool:
+        return not (self.cfg.group_size == -1 or self._whole_groups(layer))
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -133,11 +135,15 @@ class CtIntLinearMethod(LinearMethod):
         self.layout = install_int_weights(layer, weights, device, cfg.describe())
 
     def _g_idx(self, layer) -> torch.Tensor | None:
+        tensor = f"{self.module_names[0]}.weight_g_idx"
         g_idx = loaded_g_idx(layer, layer.weight_g_idx, source=self.cfg.source, module_names=self.module_names,
-                             tensor=f"{self.module_names[0]}.weight_g_idx",
+                             tensor=tensor,
                              required="the quantization config says actorder='group'" if self.cfg.actorder else None)
         # compressed-tensors initialises g_idx to -1, meaning "column order".
-        return None if g_idx is None or bool((g_idx == -1).all()) else g_idx
+        if g_idx is None or bool((g_idx == -1).all()):
+            return None
+        split_groups = self.cfg.group_size if self._groups_split_along_k(layer) else None
+        return rank_group_indices(layer, g_idx, split_groups, tensor)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size

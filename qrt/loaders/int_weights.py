@@ -205,6 +205,24 @@ def loaded_g_idx(layer, param, *, required: str | None, source, tensor: str, mod
     return rows[0]
 
 
+def rank_group_indices(layer, g_idx: torch.Tensor | None, group_size: int | None, tensor: str):
+    """`g_idx` [K] numbered for this rank's groups. `group_size`: set when the layer is row-parallel
+    and its group scales were split along K (no act-order), so the rank holds only the groups of
+    its own input channels, from 0, while the checkpoint numbers them from the layer's first group.
+    GPTQModel writes a g_idx (k // G) for every layer, act-order or not."""
+    if g_idx is None or group_size is None or not layer.splits_input:
+        return g_idx
+    local = g_idx.long() - layer.k_slice.start // group_size
+    groups = group_count(layer.input_size, group_size)
+    if local.min() < 0 or local.max() >= groups:
+        raise UnsupportedError(f"{tensor}: the group indices reorder input channels across groups, but the "
+                               f"quantization config says the layer has no act-order, so with "
+                               f"tp={layer.parallel.size} each rank holds only the groups of its own input channels "
+                               f"and this rank's channels point to groups outside them; set desc_act/actorder in "
+                               f"the config to match the tensors, or run with tp=1")
+    return local.to(g_idx.dtype)
+
+
 def remove_parameters(layer, *names: str) -> None:
     """Free the checkpoint-layout tensors once the kernel layout is built."""
     for name in names:
