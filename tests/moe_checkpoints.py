@@ -190,23 +190,35 @@ def make_quantized_moe_checkpoint(folder: Path, arch: str, fmt: str, *, seed: in
 
 def online_int_reference(folder: Path, bits: int):
     """The transformers model of `folder`'s checkpoint with the weights qrt's online int`bits`
-    makes (quantize_int_rows, groups of 32 or per channel, lm_head int8 per channel) dequantized:
-    what quant="int4"/"int8" should compute, activations unquantized."""
+    stands for (int4 in groups of 32 along K, asymmetric with a float zero point that puts code 0
+    on the group's minimum; int8 symmetric per output channel; lm_head int8 per channel), rounded
+    here from that definition, not by qrt's quantizer: what quant="int4"/"int8" should compute,
+    activations unquantized."""
     import transformers
-
-    from qrt.loaders.int_online import OnlineIntConfig, quantize_int_rows
 
     (path,) = folder.glob("*.safetensors")
     state = load_file(str(path))
     for module in [*quantized_linears(state), "lm_head"]:
         w = state[f"{module}.weight"].float()
-        cfg = OnlineIntConfig(8) if module == "lm_head" else OnlineIntConfig(bits, 32)
-        group = cfg.group_size(w.shape[1])
-        q, scales, zeros = quantize_int_rows(w, cfg.bits, group, torch.float32)
-        g = torch.arange(w.shape[1]) // group
-        state[f"{module}.weight"] = ((q.float() - zeros[:, g]) * scales.float()[:, g]).contiguous()
+        rows = _int8_rows if module == "lm_head" or bits == 8 else _int4_groups_of_32
+        state[f"{module}.weight"] = rows(w).contiguous()
     reference_folder = folder.parent / f"{folder.name}-int{bits}-dequantized"
     reference_folder.mkdir(exist_ok=True)
     shutil.copy(folder / "config.json", reference_folder / "config.json")
     save_file(state, str(reference_folder / "model.safetensors"), metadata={"format": "pt"})
     return transformers.AutoModelForCausalLM.from_pretrained(str(reference_folder), dtype=torch.float32).eval()
+
+
+def _int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 per row: codes round(w / s) in [-127, 127] with s = amax / 127, dequantized."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def _int4_groups_of_32(w: torch.Tensor) -> torch.Tensor:
+    """Asymmetric 4-bit in groups of 32 along K: 15 steps from the group's minimum to its maximum."""
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    step = (high - low) / 15
+    return (((groups - low) / step).round().clamp(0, 15) * step + low).view(n, k)

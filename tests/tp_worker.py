@@ -9,7 +9,7 @@ full forward) and "again_prompt" (what a compiled model decodes again; default: 
 its last token)}. With $QRT_TP_TEST_BAD_RANK_PATH,
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
-tokens, the compile report, every rank's RSS before the job's model and its peak RSS after loading
+tokens, every rank's own logits, the compile report, every rank's RSS before the job's model and its peak RSS after loading
 it, and every rank's parameter shapes.
 """
 
@@ -46,7 +46,7 @@ def run(job: dict) -> dict:
     else:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
-    mine = {"rss_kib": peak_rss_kib, "rss_before_kib": rss_before_kib, "shapes": shapes, "tokens": tokens,
+    mine = {"logits": logits, "rss_kib": peak_rss_kib, "rss_before_kib": rss_before_kib, "shapes": shapes, "tokens": tokens,
             "report": model.compile_report()}
     gathered = [mine]
     if dist.is_initialized():  # tp=1 starts no process group
