@@ -88,6 +88,10 @@ def speeds(prefill_s: list[float], generate_s: list[float], prompt_tokens: int, 
     prefill, since prefill is short and noisy and pairing each run with its own would add that
     noise to every decode figure."""
     prefill_median = statistics.median(prefill_s)
+    if min(generate_s) <= prefill_median:
+        raise RuntimeError(f"a generate of {new_tokens + 1} tokens ({min(generate_s):.3f} s) took no longer than the "
+                           f"median prefill ({prefill_median:.3f} s): the machine's noise exceeds the decode time, so "
+                           f"no decode speed can be derived; use more new tokens")
     return {
         "prefill_tok_s": spread([batch * prompt_tokens / s for s in prefill_s]),
         "decode_tok_s": spread([batch * new_tokens / (s - prefill_median) for s in generate_s]),

@@ -66,6 +66,8 @@ def parse_args(argv=None):
     parser.add_argument("--soak", type=float, default=300, help="soak seconds, 0 to skip (default: 300)")
     parser.add_argument("--soak-clients", type=int, default=8)
     parser.add_argument("--cancel-rate", type=float, default=0.25)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="CPU threads of each server, qrt's and llama.cpp's alike (default: every core)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp even when it is installed")
     parser.add_argument("--json", default=None, help="write the report here")
     return parser.parse_args(argv)
@@ -285,7 +287,7 @@ def soak(url: str, model: str, args) -> dict:
 
 def qrt_server(args, log_dir: Path) -> tuple[ServerProcess, str]:
     port = free_port()
-    command = [sys.executable, "-m", "qrt", "serve", *([args.model] if args.model else []),
+    command = [sys.executable, "-m", "qrt", "--threads", str(args.threads), "serve", *([args.model] if args.model else []),
                "--port", str(port), "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
                "--max-queue", "256", "--served-model-name", "bench"]
     if args.quant:
@@ -299,7 +301,8 @@ def peer_gguf(args) -> tuple[Path | None, str]:
         return None, "llama.cpp runs only on the default model here (its GGUF ships with it)"
     from bench.gguf_variants import default_model_ggufs
 
-    wanted = {None: "BF16", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}.get(args.quant)
+    # The default model's GGUFs (bench/gguf_variants.py): its own Q4_1 and the BF16 and Q8_0 made from it.
+    wanted = {None: "BF16", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}.get(args.quant)
     for gguf in default_model_ggufs():
         if wanted and wanted in gguf.name:
             return gguf, ""
@@ -309,7 +312,7 @@ def peer_gguf(args) -> tuple[Path | None, str]:
 def llama_cpp_server(gguf: Path, args, log_dir: Path) -> ServerProcess:
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-               "--port", str(port), "--n_ctx", str(args.max_seq_len), "--n_threads", str(os.cpu_count() or 1),
+               "--port", str(port), "--n_ctx", str(args.max_seq_len), "--n_threads", str(args.threads),
                "--model_alias", "bench",
                # Its default lets every new request interrupt the running one (ending it after a
                # token or two); off, requests wait their turn, which is how it serves many clients.
