@@ -5,7 +5,6 @@ Runs inside any producer venv (torch, transformers and safetensors only), so tha
 quantizes the very same base checkpoint bytes and writes its reference the same way."""
 
 import json
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -15,12 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for the byte tokenizer
-from tiny_tokenizer import write_tokenizer  # noqa: E402
+from tiny_tokenizer import BOS, IM_END, write_tokenizer  # noqa: E402
 
 # The sizes every dense base shares; vocab 1024 pads the tokenizer's 259 ids.
 _DENSE = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
-              tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02)
+              tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02,
+              bos_token_id=BOS, eos_token_id=IM_END)
 
 # name: (transformers config class, model class, config overrides, dtype on disk)
 BASES = {
@@ -153,21 +153,3 @@ def write_kit(variant: Path, **fields) -> None:
     """variant/kit.json: what the variant is (producer, version, scheme, quantized modules...)."""
     (variant / "kit.json").write_text(json.dumps(fields, indent=2))
 
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Split each int32 of `packed` into 32 // bits unsigned values along `dim`, lowest bits first."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    packed = packed.to(torch.int32).unsqueeze(dim + 1 if dim >= 0 else dim)
-    shape = [1] * packed.dim()
-    shape[dim + 1 if dim >= 0 else dim] = per_word
-    values = (packed >> shifts.view(shape)) & ((1 << bits) - 1)
-    new_shape = list(packed.shape)
-    del new_shape[dim + 1 if dim >= 0 else dim]
-    new_shape[dim] *= per_word
-    return values.reshape(new_shape)
-
-
-def group_count(columns: int, group_size: int) -> int:
-    """How many quantization groups `columns` input channels make."""
-    return math.ceil(columns / group_size)
