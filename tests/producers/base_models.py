@@ -1,8 +1,9 @@
 """What the producer scripts share: the seeded random base models, the calibration data, and the
 writers of a variant's reference folder and kit.json.
 
-Runs inside any producer venv (torch, transformers and safetensors only), so that every producer
-quantizes the very same base checkpoint bytes and writes its reference the same way."""
+Runs inside any producer venv (torch, transformers and safetensors only). The bases are made once
+per kit, in the base venv (`python base_models.py ROOT` writes ROOT/<arch>/ for every arch), so
+that every producer quantizes the very same checkpoint bytes."""
 
 import json
 import shutil
@@ -153,3 +154,19 @@ def write_kit(variant: Path, **fields) -> None:
     """variant/kit.json: what the variant is (producer, version, scheme, quantized modules...)."""
     (variant / "kit.json").write_text(json.dumps(fields, indent=2))
 
+
+
+def cli(variants: dict, build) -> None:
+    """A producer script's command line: `--list` prints its variant names, one a line;
+    `VARIANT BASE_ROOT OUT` runs build(VARIANT, BASE_ROOT, OUT)."""
+    if sys.argv[1:] == ["--list"]:
+        print("\n".join(variants))
+        return
+    variant, base_root, out = sys.argv[1:]
+    build(variant, Path(base_root), Path(out))
+
+
+if __name__ == "__main__":
+    for name in BASES:
+        make_base(Path(sys.argv[1]) / name, name)
+        print(f"base model {name} written")

@@ -1,7 +1,7 @@
 """GPTQModel's variants: GPTQ checkpoints in GPTQModel's default format (gptq, v1 zero points),
 quantized on the CPU, each with the dense reference GPTQModel's own dequantizer makes of it.
 
-Usage (inside the GPTQModel venv): python gptqmodel_variants.py VARIANT BASE_ROOT OUT_FOLDER"""
+Usage (inside the GPTQModel venv): python gptqmodel_variants.py VARIANT BASE_ROOT OUT_FOLDER, or --list"""
 
 import os
 import sys
@@ -81,5 +81,6 @@ def check_runtime_dequant(folder: Path, reference: dict, dtype) -> None:
     assert checked, "no QuantLinear found in the loaded checkpoint"
     print(f"runtime dequantize_weight() matches the reference on {checked} modules")
 
+
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    base_models.cli(VARIANTS, main)

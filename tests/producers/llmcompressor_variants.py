@@ -2,7 +2,7 @@
 in the compressed-tensors format, each with the dense reference that compressed-tensors' own
 model-free dequantizer (CompressedTensorsDequantizer) makes of the saved folder.
 
-Usage (inside the llm-compressor venv): python llmcompressor_variants.py VARIANT BASE_ROOT OUT_FOLDER"""
+Usage (inside the llm-compressor venv): python llmcompressor_variants.py VARIANT BASE_ROOT OUT_FOLDER, or --list"""
 
 import sys
 from pathlib import Path
@@ -13,6 +13,10 @@ import base_models  # noqa: E402
 # Never quantized: the lm_head (as llm-compressor's examples do) and MoE routers (a quantized router
 # would pick other experts).
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
+# SparseGPT matches its ignore list against names with a trailing dot ("model.layers.0.mlp.up_proj."),
+# so only patterns find them. Its `targets` must stay the default ["Linear"]: the string "Linear",
+# which the quantization modifiers accept, silently matches no layer and prunes nothing.
+SPARSEGPT_IGNORE = ["re:.*lm_head", r"re:.*mlp\.gate\.?$"]
 
 
 def _gptq(scheme):
@@ -35,17 +39,18 @@ def _smoothquant_gptq(scheme):
 
 def _sparsegpt_rtn(scheme):
     # Round-to-nearest after SparseGPT, not GPTQ: GPTQ's error feedback would write into the pruned
-    # positions (0.14's GPTQModifier keeps no sparsity mask), leaving ~28% zeros instead of 2:4.
+    # positions (0.14's GPTQModifier keeps no sparsity mask): tried, 13% of the groups of 4 lost
+    # their pair of zeros. Symmetric round-to-nearest maps 0 to 0 and keeps the 2:4 pattern whole.
     from llmcompressor.modifiers.pruning import SparseGPTModifier
 
-    return [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", targets="Linear", ignore=IGNORE), *_rtn(scheme)]
+    return [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", ignore=SPARSEGPT_IGNORE), *_rtn(scheme)]
 
 
 # name: (base architecture, recipe builder, preset scheme, scheme text, activation_quant)
 VARIANTS = {
     "llmc-w4a16-sym": ("llama", _gptq, "W4A16", "GPTQ int4 group-128 symmetric (pack-quantized)", None),
     "llmc-w4a16-asym": ("llama", _gptq, "W4A16_ASYM", "GPTQ int4 group-128 asymmetric (pack-quantized)", None),
-    "llmc-w8a16": ("llama", _gptq, "W8A16", "GPTQ int8 per-channel symmetric (pack-quantized)", None),
+    "llmc-w8a16": ("llama", _gptq, "W8A16", "GPTQ int8 group-128 symmetric (pack-quantized; the W8A16 preset is grouped)", None),
     "llmc-fp8-static": ("llama", _rtn, "FP8", "fp8 e4m3 per-tensor weights (float-quantized)", "fp8 per-tensor static"),
     "llmc-fp8-dynamic": ("llama", _rtn, "FP8_DYNAMIC", "fp8 e4m3 per-channel weights (float-quantized)", "fp8 per-token dynamic"),
     "llmc-fp8-block": ("llama", _rtn, "FP8_BLOCK", "fp8 e4m3 weights in 128x128 blocks (float-quantized)", "fp8 per-group-128 dynamic"),
@@ -73,8 +78,10 @@ def main(variant: str, base_root: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype="auto")
     ids = base_models.calibration_ids()
     dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    torch.manual_seed(0)
+    # Unshuffled, so that two builds of a kit give the same bytes.
     oneshot(model=model, dataset=dataset, recipe=recipe(scheme), max_seq_length=ids.shape[1],
-            num_calibration_samples=ids.shape[0])
+            num_calibration_samples=ids.shape[0], shuffle_calibration_samples=False)
     model.save_pretrained(str(out), save_compressed=True)
     del model
     base_models.copy_tokenizer(base, out)
@@ -105,4 +112,4 @@ def dequantize(folder: Path) -> tuple[dict, list[str]]:
     return tensors, quantized
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    base_models.cli(VARIANTS, main)

@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import base_models  # noqa: E402
 
-# A transposed, misordered or mis-scaled dequantization gives a relative error near 1 or more; int4
-# of these weights gives about 0.1, and 2:4 pruning with int4 about 0.5.
+# A transposed, misordered or mis-scaled dequantization gives relative errors near 1 or more. Seen on
+# these bases: weights 0.01-0.3 (int8 to int4); logits 0.01 (int8) to 0.2 (int4), 0.5 for 2:4 + int4.
 WEIGHT_BOUND = 0.7
-LOGITS_BOUND = 0.5
+LOGITS_BOUND = 0.8
 
 
 def verify(variant: Path, base_root: Path) -> dict:
