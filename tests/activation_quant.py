@@ -11,6 +11,7 @@ rounding edge, which one side rounds up and the other down.
 the weights listed as unquantized (routers, lm_head), experts included: transformers' "eager" experts
 loop runs each expert as `F.linear` on a slice of its stacked weight."""
 
+import copy
 from contextlib import contextmanager
 
 import torch
@@ -53,12 +54,31 @@ class _RoundLinearInputs(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Modules the formats leave unquantized: the lm_head, MoE routers and Qwen2-MoE's shared-expert gate.
+UNQUANTIZED = ("lm_head", ".gate", "shared_expert_gate")
+
+
+def with_rounded_weights(model: torch.nn.Module, rounding) -> torch.nn.Module:
+    """A copy of `model` whose decoder-layer weights (2-D, or stacked experts [E, N, K]) but the
+    unquantized ones go through `rounding` row by row: one scale per output channel."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in rounded.named_parameters():
+            module = name.removesuffix(".weight")
+            if name.startswith("model.layers.") and param.dim() >= 2 and not module.endswith(UNQUANTIZED):
+                param.copy_(rounding(param))
+    return rounded
+
+
 @contextmanager
-def rounded_inputs(model: torch.nn.Module, rounding, unquantized=("lm_head", ".gate", "shared_expert_gate")):
-    """Within the block, every linear of `model` but those whose module name ends with one of
-    `unquantized` sees its input through `rounding`."""
+def rounded_inputs(model: torch.nn.Module, rounding):
+    """Within the block, every linear of `model` but the unquantized ones sees its input through
+    `rounding` (None: the block runs as it is, for formats that keep activations as they are)."""
+    if rounding is None:
+        yield
+        return
     skipped = {module.weight.untyped_storage().data_ptr() for name, module in model.named_modules()
-               if getattr(module, "weight", None) is not None and name.endswith(unquantized)}
+               if getattr(module, "weight", None) is not None and name.endswith(UNQUANTIZED)}
     if hasattr(model, "set_experts_implementation"):
         # transformers' default for stacked experts is a grouped matmul; its "eager" loop runs
         # each expert as F.linear, which the mode sees.

@@ -3,7 +3,6 @@ logits, greedy tokens, one graph per compiled function with no graph breaks, no 
 recompiles, online fp8 through the swap pass; plus the RoPE scalings, Phi-3's fused layers and
 the older config.json layouts of these families."""
 
-import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from activation_quant import fp8_per_token, rounded_inputs
+from activation_quant import fp8_per_token, rounded_inputs, with_rounded_weights
 from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
                           decode_without_recompiles)
 from kernel_checks import fp8_cpu_kernel
@@ -104,7 +103,7 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     with torch.no_grad():
         got = model._prefill(ids)[0, -1]
         reference = eager._prefill(ids)[0, -1]
-        rounded = fp8_reference(arch.hf)
+        rounded = with_rounded_weights(arch.hf, fp8_per_token)  # e4m3 weights per output channel
         with rounded_inputs(rounded, fp8_per_token):
             expected = rounded(ids).logits[0, -1]
     # The swapped kernel computes what the logical op's reference computes (same fp8 codes and
@@ -113,16 +112,6 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     # Against transformers with e4m3 weights per channel and activations per token, rounded by the
     # test's own code: the order of fp32 sums, or one activation on a rounding edge (~1e-3).
     assert relative_l2(got, expected) < 5e-3
-
-
-def fp8_reference(hf):
-    """A copy of `hf` whose decoder linears hold e4m3 weights with one scale per output channel."""
-    rounded = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, param in rounded.named_parameters():
-            if name.startswith("model.layers.") and param.dim() == 2:
-                param.copy_(fp8_per_token(param))  # each [N, K] row: one output channel's scale
-    return rounded
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -4,9 +4,7 @@ sparse block one qrt::fused_experts call; quantized experts in the stored format
 layouts and in the online formats against their dequantized references; a missing expert named;
 latent attention's cache."""
 
-import copy
 import json
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from activation_quant import fp8_per_group, fp8_per_token, int8_per_token, rounded_inputs
+from activation_quant import fp8_per_group, fp8_per_token, int8_per_token, rounded_inputs, with_rounded_weights
 from graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles, swap_record
-from moe_checkpoints import (MOE_ARCHS, QUANTIZED, is_router, make_moe_checkpoint, make_quantized_moe_checkpoint,
+from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
                              online_int_reference)
 from kernel_checks import fp8_cpu_kernel
 from qrt import runtime
@@ -154,7 +152,7 @@ def test_quantized_experts_match_the_dequantized_model(arch, fmt, tmp_path):
     assert _experts_kernels(model) == {kernel}
     ids = _ids(2, (2, 16))
     rounding = ACTIVATION_ROUNDING.get(fmt)
-    with torch.no_grad(), (rounded_inputs(reference, rounding) if rounding else nullcontext()):
+    with torch.no_grad(), (rounded_inputs(reference, rounding)):
         expected = reference(ids).logits
     assert relative_l2(model(ids), expected) < TOLERANCE.get(fmt, 1e-4)
 
@@ -181,7 +179,7 @@ def test_deepseek_v3_quantized_with_latent_attention(fmt, tmp_path):
     assert model.model.model.layers[1].self_attn.kv_b_proj.weight.kernel == kernel
     ids = _ids(2, (2, 16))
     rounding = ACTIVATION_ROUNDING.get(fmt)
-    with torch.no_grad(), (rounded_inputs(reference, rounding) if rounding else nullcontext()):
+    with torch.no_grad(), (rounded_inputs(reference, rounding)):
         expected = reference(ids).logits
     # With the reference's activations rounded alike, FP8's block rounding no longer flips the
     # sigmoid router's near-tied choices (unrounded: 0.28 apart).
@@ -213,14 +211,10 @@ def test_online_activation_quantized_experts(qwen2_moe, quant, kernel):
     ids = _ids(3, (2, 16))
     # The reference: weights rounded as the online format stores them (per output channel), and
     # activations per token, both written here from the formats' definitions.
-    reference = copy.deepcopy(hf)
     rounding = {"fp8": fp8_per_token, "w8a8": int8_per_token}[quant]
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if name.startswith("model.layers.") and param.dim() >= 2 and not is_router(name.removesuffix(".weight")):
-                param.copy_(rounding(param))  # each row of a [N, K] weight, of each expert's [.., N, K]
-        with rounded_inputs(reference, rounding):
-            expected = reference(ids).logits
+    reference = with_rounded_weights(hf, rounding)
+    with torch.no_grad(), rounded_inputs(reference, rounding):
+        expected = reference(ids).logits
     assert relative_l2(model(ids), expected) < 1e-5
 
 

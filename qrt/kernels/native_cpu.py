@@ -57,9 +57,9 @@ def why_unavailable() -> str | None:
 
 
 def main() -> int:
-    """make setup (and CI) call this: build the kernels now. A build that
-    fails on a CPU that has their instructions is an error (exit 1, the compiler's output shown),
-    not a quiet fallback; QRT_NATIVE_CPU=0 chooses the fallback on purpose."""
+    """Build the kernels now (make setup calls this). A build that fails on a CPU that has their
+    instructions is an error (exit 1, the compiler's output shown), not a quiet fallback;
+    QRT_NATIVE_CPU=0 chooses the fallback on purpose."""
     reason = why_not_wanted()
     if reason is not None:
         print(f"qrt CPU kernels: not built ({reason}); ATen's kernels run instead")
@@ -135,7 +135,3 @@ def _register_fakes() -> None:
     @torch.library.register_fake("qrt_cpu::int8pack_mm")
     def _(x, weight, scales, min_rows_dequantized):
         return x.new_empty(x.shape[0], weight.shape[0])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,8 +20,9 @@ import torch
 from qrt.kernels.int_reference import pack_factor, unpack_rows
 
 from .errors import TensorMismatch, UnsupportedError
-from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
-                          loaded_g_idx, rank_group_indices, remove_parameters, shard_slot, whole_shard_shape)
+from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, groups_split_along_k,
+                          install_int_weights, loaded_g_idx, rank_group_indices, remove_parameters, shard_slot,
+                          whole_shard_shape)
 from .linear import LinearMethod, check_shape, copy_rows, make_parameter
 from .tensor_parallel import DENSE_WEIGHT, WHOLE, TensorSplit
 from .quant import QuantScheme
@@ -72,15 +73,12 @@ class CtIntLinearMethod(LinearMethod):
 
     def tensor_split(self, layer, param_name: str):
         # As GPTQ's: per-channel scales have no K, and act-order layers split along K keep every group.
-        grouped = TensorSplit(0, 1 if self._groups_split_along_k(layer) else None)
+        grouped = TensorSplit(0, 1 if groups_split_along_k(layer, self.cfg.group_size, self.cfg.actorder) else None)
         return {"weight_packed": DENSE_WEIGHT, "weight": DENSE_WEIGHT, "weight_shape": WHOLE, "weight_scale": grouped,
                 "weight_zero_point": grouped, "weight_g_idx": TensorSplit(None, 0)}.get(param_name)
 
     def _whole_groups(self, layer) -> bool:
         return self.cfg.actorder and layer.splits_input
-
-    def _groups_split_along_k(self, layer) -> bool:
-        return not (self.cfg.group_size == -1 or self._whole_groups(layer))
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -142,8 +140,7 @@ class CtIntLinearMethod(LinearMethod):
         # compressed-tensors initialises g_idx to -1, meaning "column order".
         if g_idx is None or bool((g_idx == -1).all()):
             return None
-        split_groups = self.cfg.group_size if self._groups_split_along_k(layer) else None
-        return rank_group_indices(layer, g_idx, split_groups, tensor)
+        return rank_group_indices(layer, g_idx, self.cfg.group_size, self.cfg.actorder, tensor)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size

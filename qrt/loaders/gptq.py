@@ -20,7 +20,7 @@ from qrt.kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
 
 from .errors import ConfigError, UnsupportedError
 from .int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count, install_int_weights,
-                          loaded_g_idx, rank_group_indices, remove_parameters, scaled_shards)
+                          groups_split_along_k, loaded_g_idx, rank_group_indices, remove_parameters, scaled_shards)
 from .linear import LinearMethod, copy_rows, make_parameter
 from .tensor_parallel import TensorSplit
 from .quant import QuantScheme
@@ -58,18 +58,14 @@ class GptqLinearMethod(LinearMethod):
     name = "gptq"
 
     def tensor_split(self, layer, param_name: str):
-        # Group scales and zeros run along K in groups, except one group per channel and act-order
-        # layers split along K: their input channels pick groups anywhere, so every rank holds all
-        # groups (vLLM's rule) and the loader pass keeps those its channels use.
-        grouped_k = 0 if self._groups_split_along_k(layer) else None
+        # Group scales and zeros split along K with the channels unless every rank holds all groups
+        # (groups_split_along_k); the loader pass then keeps those its channels use.
+        grouped_k = 0 if groups_split_along_k(layer, self.cfg.group_size, self.cfg.desc_act) else None
         return {"qweight": TensorSplit(1, 0), "qzeros": TensorSplit(1, grouped_k), "scales": TensorSplit(1, grouped_k),
                 "g_idx": TensorSplit(None, 0)}.get(param_name)
 
     def _whole_groups(self, layer) -> bool:
         return self.cfg.desc_act and layer.splits_input
-
-    def _groups_split_along_k(self, layer) -> bool:
-        return not (self.cfg.group_size == -1 or self._whole_groups(layer))
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -115,8 +111,7 @@ class GptqLinearMethod(LinearMethod):
         g_idx = loaded_g_idx(layer, layer.g_idx, source=self.cfg.source, tensor=tensor, module_names=self.module_names,
                              required="the quantization config says desc_act=true (act-order), which needs each "
                                       "layer's group indices" if act_order else None)
-        split_groups = self.cfg.group_size if self._groups_split_along_k(layer) else None
-        return rank_group_indices(layer, g_idx, split_groups, tensor)
+        return rank_group_indices(layer, g_idx, self.cfg.group_size, self.cfg.desc_act, tensor)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size

@@ -205,12 +205,19 @@ def loaded_g_idx(layer, param, *, required: str | None, source, tensor: str, mod
     return rows[0]
 
 
-def rank_group_indices(layer, g_idx: torch.Tensor | None, group_size: int | None, tensor: str):
-    """`g_idx` [K] numbered for this rank's groups. `group_size`: set when the layer is row-parallel
-    and its group scales were split along K (no act-order), so the rank holds only the groups of
-    its own input channels, from 0, while the checkpoint numbers them from the layer's first group.
-    GPTQModel writes a g_idx (k // G) for every layer, act-order or not."""
-    if g_idx is None or group_size is None or not layer.splits_input:
+def groups_split_along_k(layer, group_size: int, act_order: bool) -> bool:
+    """Whether group scales and zeros divide along K with the layer's input channels. Not for one
+    group per channel (no K), nor for a row-parallel act-order layer: its channels pick groups
+    anywhere, so every rank holds all groups (vLLM's rule)."""
+    return group_size != -1 and not (act_order and layer.splits_input)
+
+
+def rank_group_indices(layer, g_idx: torch.Tensor | None, group_size: int, act_order: bool, tensor: str):
+    """`g_idx` [K] numbered for this rank's groups. A row-parallel rank whose groups were split
+    along K holds only the groups of its own input channels, from 0, while the checkpoint numbers
+    them from the layer's first group. GPTQModel writes a g_idx (k // G) for every layer, act-order
+    or not."""
+    if g_idx is None or not layer.splits_input or not groups_split_along_k(layer, group_size, act_order):
         return g_idx
     local = g_idx.long() - layer.k_slice.start // group_size
     groups = group_count(layer.input_size, group_size)
