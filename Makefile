@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: setup demo test test-slow test-bench bench bench-suite llama-cpp dump clean
+.PHONY: setup demo test test-slow test-bench test-producers producer-kit bench bench-suite llama-cpp dump clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,14 @@ test-slow: setup
 # The bench scripts run end to end on tiny models, so that they cannot rot (CI runs this too).
 test-bench: setup
 	$(PY) -m pytest -m bench
+
+# Checkpoints quantized by the real producers, each in a virtualenv of its own pins, cached by a
+# hash of tests/producers (the first build takes about half an hour on 2 cores).
+producer-kit: setup
+	$(PY) tests/producers/build.py
+
+test-producers: producer-kit
+	$(PY) -m pytest -m producers
 
 bench: setup
 	$(PY) bench/decode.py --json bench/results/decode.json

@@ -22,10 +22,10 @@ Figures:
   folder: the figure is a cold compile. Set TORCHINDUCTOR_CACHE_DIR yourself to use your own cache.
 - prefill tok/s: prompt tokens / time of `generate(prompt, max_new_tokens=1)`: one prefill and one
   greedy sample (for transformers also its per-call setup of `generate`).
-- decode tok/s: N / (time of `generate(prompt, max_new_tokens=N + 1)` - median prefill time), with
-  N = --new-tokens: the N one-token steps after the first token, each a forward pass and a sample.
-  Each run's whole generate minus the *median* prefill: prefill is short and noisy, and pairing
-  each run with its own prefill would add that noise to every decode figure.
+- decode tok/s: N / (time from the first new token to the last) of `generate(prompt,
+  max_new_tokens=N + 1)`, with N = --new-tokens, timed as the tokens stream out (qrt's `stream=`,
+  a transformers streamer): the N one-token steps after the first token, each a forward pass and
+  a sample, and nothing of the prefill.
 - Each figure is the median of --runs timed runs, after one untimed warm-up run, with [min–max].
 - ×HF: decode tok/s over transformers eager's; ×bf16: each fp8 variant over qrt bf16.
 - --checkpoint NAME=PATH adds a pre-quantized copy of the same model, loaded as stored
@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_state, name_list,  # noqa: E402
-                           positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_runs,
-                           wall_time)
+                           positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_decodes,
+                           timed_runs, TokenClock, TransformersClock, wall_time)
 from qrt.loaders.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
 from qrt.loaders.registry import online_formats  # noqa: E402
@@ -92,15 +92,16 @@ def bench_qrt(path: Path, quant: str | None, engine: str, ids: list[int], args) 
         check_length(model.generate(ids, max_new_tokens=1, stop_at_eos=False), 1, engine)
 
     def generate():
-        new_ids = model.generate(ids, max_new_tokens=args.new_tokens + 1, stop_at_eos=False)
+        clock = TokenClock()
+        new_ids = model.generate(ids, max_new_tokens=args.new_tokens + 1, stop_at_eos=False, stream=clock.tick)
         check_length(new_ids, args.new_tokens + 1, engine)
+        return clock.rows()
 
     log(f"{engine}: timing")
     result = {
         "engine": engine, "load_s": load_s, "compile_s": compile_s,
         "compile_seconds": dict(model.compile_seconds), "max_seq_len": model.max_seq_len,
-        **speeds(timed_runs(prefill, args.runs), timed_runs(generate, args.runs),
-                 len(ids), args.new_tokens),
+        **speeds(timed_runs(prefill, args.runs), timed_decodes(generate, args.runs), len(ids)),
         # 1 graph per role: nothing recompiled after warmup(), so compile s is the whole cost.
         "graphs": model.compile_report(),
     }
@@ -121,16 +122,18 @@ def bench_hf(path: Path, ids: list[int], args) -> dict:
 
     def run(new_tokens: int):
         # min_new_tokens keeps eos from ending generation early.
+        clock = TransformersClock()
         with torch.no_grad():
             out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False)
+                                 min_new_tokens=new_tokens, do_sample=False, streamer=clock)
         check_length(out[0, len(ids):], new_tokens, HF)
+        return clock.rows()
 
     log(f"{HF}: timing")
     result = {
         "engine": HF, "load_s": load_s, "compile_s": None,
-        **speeds(timed_runs(lambda: run(1), args.runs), timed_runs(lambda: run(args.new_tokens + 1), args.runs),
-                 len(ids), args.new_tokens),
+        **speeds(timed_runs(lambda: run(1), args.runs), timed_decodes(lambda: run(args.new_tokens + 1), args.runs),
+                 len(ids)),
     }
     del model
     gc.collect()  # so the next model is measured with only itself in memory

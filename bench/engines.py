@@ -25,8 +25,9 @@ Kinds and what their figures mean:
   generate of 2 tokens (the compiles, one prefill, one decode step).
 - llama.cpp: llama-cpp-python's `Llama` on a GGUF file (load_s), batch 1 only: its high-level API
   runs one sequence. It never imports torch, so its peak memory is llama.cpp's.
-Speeds: prefill = generate 1 token; decode = generate N + 1 tokens minus the median prefill (see
-bench/measure.speeds), each the spread of the job's runs after one untimed run.
+Speeds: prefill = generate 1 token; decode = the tokens of a generate of N + 1 made after every
+sequence had its first, over the time from then to the last token, as the engine streams them
+out (see bench/measure.decode_rate), each the spread of the job's runs after one untimed run.
 """
 
 import json
@@ -36,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from bench.measure import check_length, log, speeds, timed_runs, wall_time  # noqa: E402
+from bench.measure import (TokenClock, TransformersClock, check_length, log, speeds, timed_decodes,  # noqa: E402
+                           timed_runs, wall_time)
 
 
 def cache_length(job: dict) -> int:
@@ -45,10 +47,12 @@ def cache_length(job: dict) -> int:
 
 
 def time_speeds(run, job: dict) -> dict:
-    """Prefill and decode figures of run(n), which generates n new tokens for every prompt."""
+    """Prefill and decode figures of run(n), which generates n new tokens for every prompt and
+    returns each prompt's token times (measure.decode_rate): the prefill from run(1)'s wall time,
+    the decode timed from the first new token to the last of run(new_tokens + 1)."""
     new_tokens, prompts = job["new_tokens"], job["prompts"]
-    return speeds(timed_runs(lambda: run(1), job["runs"]), timed_runs(lambda: run(new_tokens + 1), job["runs"]),
-                  len(prompts[0]), new_tokens, len(prompts))
+    return speeds(timed_runs(lambda: run(1), job["runs"]), timed_decodes(lambda: run(new_tokens + 1), job["runs"]),
+                  len(prompts[0]), len(prompts))
 
 
 def check_rows(rows, job: dict, expected: int, engine: str) -> None:
@@ -97,11 +101,16 @@ def qrt(job: dict) -> dict:
     if len(prompts) == 1:
         figures.update(warm_up(model, job, started))
 
-        def run(n: int) -> None:
-            check_length(model.generate(prompts[0], max_new_tokens=n, stop_at_eos=False), n, engine)
+        def run(n: int) -> list[list[float]]:
+            clock = TokenClock()
+            check_length(model.generate(prompts[0], max_new_tokens=n, stop_at_eos=False, stream=clock.tick), n, engine)
+            return clock.rows()
     else:
-        def run(n: int) -> None:
-            check_rows(model.generate_batch(prompts, n, stop_at_eos=False), job, n, engine)
+        def run(n: int) -> list[list[float]]:
+            clocks = [TokenClock() for _ in prompts]
+            rows = model.generate_batch(prompts, n, stop_at_eos=False, stream=lambda row, _: clocks[row].tick())
+            check_rows(rows, job, n, engine)
+            return [clock.stamps for clock in clocks]
 
         log(f"{engine}: compiling for batch {len(prompts)}")
         figures["compile_s"] = wall_time(lambda: run(2))
@@ -135,12 +144,14 @@ def transformers_engine(job: dict, compiled: bool) -> dict:
     input_ids = torch.tensor(job["prompts"])
     attention_mask = torch.ones_like(input_ids)
 
-    def run(n: int) -> None:
+    def run(n: int) -> list[list[float]]:
         # min_new_tokens keeps eos from ending generation early.
+        clock = TransformersClock()
         with torch.no_grad():
             out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False)
+                                 do_sample=False, streamer=clock)
         check_rows(out[:, input_ids.shape[1]:].tolist(), job, n, engine)
+        return clock.rows(len(job["prompts"]))
 
     if compiled:
         log(f"{engine}: compiling")
@@ -160,14 +171,16 @@ def llama_cpp(job: dict) -> dict:
                 n_threads_batch=job["threads"], verbose=False)
     figures = {"load_s": time.perf_counter() - started}
 
-    def run(n: int) -> None:
+    def run(n: int) -> list[list[float]]:
         llm.reset()  # else generate() reuses the previous run's prompt from its KV cache
-        new_ids = []
+        new_ids, clock = [], TokenClock()
         for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+            clock.tick()
             new_ids.append(token)
             if len(new_ids) == n:
                 break
         check_length(new_ids, n, job["label"])
+        return clock.rows()
 
     log(f"{job['label']}: timing")
     figures.update(time_speeds(run, job))

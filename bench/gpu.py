@@ -64,7 +64,7 @@ import qrt.kernels.int8_fused_triton  # noqa: E402,F401
 import qrt.kernels.int8_triton  # noqa: E402,F401
 import qrt.kernels.int_triton  # noqa: E402,F401
 import qrt.kernels.w4a8_triton  # noqa: E402,F401
-from bench.measure import check_length, name_list, prompt_ids, speeds, timed_runs  # noqa: E402
+from bench.measure import TokenClock, check_length, name_list, prompt_ids, speeds, timed_decodes, timed_runs  # noqa: E402
 from bench.random_llama import LLAMA_1B, random_llama_path  # noqa: E402
 from bench.roofline import weight_bytes_per_token  # noqa: E402
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
@@ -337,12 +337,15 @@ def decode_table(hbm_bytes_s: float) -> None:
         causal_lm = model.model
         weight_bytes = weight_bytes_per_token(causal_lm, causal_lm.model.embed_tokens.weight)
 
-        def generate(n: int) -> None:
-            check_length(model.generate(ids, max_new_tokens=n, stop_at_eos=False), n, f"qrt {name}")
+        def generate(n: int) -> list[list[float]]:
+            clock = TokenClock()
+            check_length(model.generate(ids, max_new_tokens=n, stop_at_eos=False, stream=clock.tick), n, f"qrt {name}")
+            return clock.rows()
 
-        # NEW_TOKENS + 1: the first new token comes from the prefill, the other NEW_TOKENS are decode steps.
+        # NEW_TOKENS + 1: the first new token comes from the prefill, the other NEW_TOKENS are decode
+        # steps, timed from the first token to the last as they stream out.
         figures = speeds(timed_runs(lambda: generate(1), DECODE_RUNS),
-                         timed_runs(lambda: generate(NEW_TOKENS + 1), DECODE_RUNS), PROMPT_TOKENS, NEW_TOKENS)
+                         timed_decodes(lambda: generate(NEW_TOKENS + 1), DECODE_RUNS), PROMPT_TOKENS)
         tok_s = figures["decode_tok_s"]
         spread = f"{tok_s['median']:.1f} [{tok_s['min']:.1f}–{tok_s['max']:.1f}]"
         print(f"{name:<6} {ready_s:>14.1f} {weight_bytes / 1e9:>10.2f} {spread:>22} "

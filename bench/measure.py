@@ -81,22 +81,64 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def speeds(prefill_s: list[float], generate_s: list[float], prompt_tokens: int, new_tokens: int,
-           batch: int = 1) -> dict:
-    """Prefill and decode tokens/s of `batch` sequences from the seconds of generating 1 token
-    (prefill_s) and new_tokens + 1 tokens (generate_s): each whole generate minus the *median*
-    prefill, since prefill is short and noisy and pairing each run with its own would add that
-    noise to every decode figure."""
-    prefill_median = statistics.median(prefill_s)
-    if min(generate_s) <= prefill_median:
-        raise RuntimeError(f"a generate of {new_tokens + 1} tokens ({min(generate_s):.3f} s) took no longer than the "
-                           f"median prefill ({prefill_median:.3f} s): the machine's noise exceeds the decode time, so "
-                           f"no decode speed can be derived; use more new tokens")
+def decode_rate(rows: list[list[float]]) -> float:
+    """Decode tokens/s, timed directly: `rows` holds each sequence's token times (time.perf_counter()
+    as each new token arrives; a batch stepping together may pass one list per sequence, the same
+    list repeated). The decode span runs from the moment every sequence has its first token (its
+    prefill is over) to the last token; the rate is the tokens made in it over its length."""
+    start = max(row[0] for row in rows)
+    end = max(row[-1] for row in rows)
+    made = sum(1 for row in rows for stamp in row if stamp > start)
+    if not made or end <= start:
+        raise RuntimeError("no decode step was timed: generate at least 2 tokens per sequence")
+    return made / (end - start)
+
+
+def timed_decodes(run, runs: int) -> list[float]:
+    """Decode tokens/s of each of `runs` calls of run(), which returns its sequences' token times
+    (see decode_rate), after one untimed call (warm caches, any recompile)."""
+    run()
+    return [decode_rate(run()) for _ in range(runs)]
+
+
+class TokenClock:
+    """Token times of one generation, for engines that call back with each new token:
+    `clock.tick` is the callback, `clock.rows(batch)` what decode_rate takes."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def tick(self, *_token) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def rows(self, batch: int = 1) -> list[list[float]]:
+        return [self.stamps] * batch  # one stamp per step, for every sequence of the batch
+
+
+class TransformersClock(TokenClock):
+    """TokenClock as a transformers streamer: generate() puts the prompt first, then each step's
+    new tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt_seen = False
+
+    def put(self, _value) -> None:
+        if self.prompt_seen:
+            self.tick()
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def speeds(prefill_s: list[float], decode_tok_s: list[float], prompt_tokens: int, batch: int = 1) -> dict:
+    """Prefill tokens/s of `batch` sequences from the seconds of generating their first token
+    (prefill_s), and the decode tokens/s of timed_decodes."""
     return {
         "prefill_tok_s": spread([batch * prompt_tokens / s for s in prefill_s]),
-        "decode_tok_s": spread([batch * new_tokens / (s - prefill_median) for s in generate_s]),
+        "decode_tok_s": spread(decode_tok_s),
         "prefill_s": prefill_s,
-        "generate_s": generate_s,
     }
 
 

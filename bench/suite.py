@@ -26,7 +26,8 @@ load average is printed, with a warning when it is high). Each measurement is a 
 Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
 KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 
-Figures: prefill tok/s at batch 1; decode tok/s = batch × N / decode seconds (all rows together).
+Figures: prefill tok/s at batch 1; decode tok/s = the tokens of all rows made after every row had
+its first token, over the time from then to the last token, timed as the engine streams them out.
 Speeds are the median of --runs runs after an untimed one, [min–max]; load, compile and start
 times are one per process. ×HF: decode over transformers eager's at the same batch size. roofline:
 decode over batch × read bandwidth ÷ weight bytes per decode step (bench/roofline.py; the

@@ -9,7 +9,10 @@ rounding edge, which one side rounds up and the other down.
 
 `rounded_inputs(model, rounding)` rounds the input of every `F.linear` in `model` except those of
 the weights listed as unquantized (routers, lm_head), experts included: transformers' "eager" experts
-loop runs each expert as `F.linear` on a slice of its stacked weight."""
+loop runs each expert as `F.linear` on a slice of its stacked weight. Given a dict of parameter names
+instead, it rounds each of those weights' inputs its own way (static scales, a rank's part of a row).
+`fp8_kv_cache(model, scales)` rounds each attention layer's keys and values (after RoPE, as a
+cache stores them) to e4m3 with that layer's static scales."""
 
 import copy
 from contextlib import contextmanager
@@ -34,6 +37,21 @@ def fp8_per_group(group: int):
     return rounding
 
 
+def fp8_static(scale: float):
+    """e4m3 with one fixed scale (a checkpoint's input_scale), dequantized."""
+    def rounding(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return rounding
+
+
+def int8_per_group(group: int):
+    """int8_per_token over each `group` consecutive input channels (a tensor-parallel rank's part of
+    a row, which that rank quantizes with its own range)."""
+    def rounding(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([int8_per_token(part) for part in x.float().split(group, dim=-1)], dim=-1)
+    return rounding
+
+
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """Symmetric int8 with one scale per row (amax / 127), round half to even, dequantized."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_MAX
@@ -41,16 +59,20 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RoundLinearInputs(TorchFunctionMode):
-    def __init__(self, rounding, skipped_storages: set[int]):
+    """Rounds F.linear's input by its weight's storage (a slice of stacked experts shares it):
+    `by_storage` maps a storage to its rounding (None: left as it is), `default` rounds the rest."""
+
+    def __init__(self, by_storage: dict, default):
         super().__init__()
-        self.rounding, self.skipped = rounding, skipped_storages
+        self.by_storage, self.default = by_storage, default
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
             x, weight, *rest = args
-            if weight.untyped_storage().data_ptr() not in self.skipped:
-                args = (self.rounding(x).to(x.dtype), weight, *rest)
+            rounding = self.by_storage.get(weight.untyped_storage().data_ptr(), self.default)
+            if rounding is not None:
+                args = (rounding(x).to(x.dtype), weight, *rest)
         return func(*args, **kwargs)
 
 
@@ -72,16 +94,46 @@ def with_rounded_weights(model: torch.nn.Module, rounding) -> torch.nn.Module:
 
 @contextmanager
 def rounded_inputs(model: torch.nn.Module, rounding):
-    """Within the block, every linear of `model` but the unquantized ones sees its input through
-    `rounding` (None: the block runs as it is, for formats that keep activations as they are)."""
+    """Within the block, the linears of `model` see their input through `rounding`: a function for
+    every linear but the unquantized ones; a dict {parameter name: function} for those weights
+    only; or None (the block runs as it is, for formats that keep activations as they are)."""
     if rounding is None:
         yield
         return
-    skipped = {module.weight.untyped_storage().data_ptr() for name, module in model.named_modules()
-               if getattr(module, "weight", None) is not None and name.endswith(UNQUANTIZED)}
+    parameters = dict(model.named_parameters())
+    if callable(rounding):
+        by_storage = {param.untyped_storage().data_ptr(): None for name, param in parameters.items()
+                      if name.removesuffix(".weight").endswith(UNQUANTIZED)}
+        default = rounding
+    else:
+        by_storage = {parameters[name].untyped_storage().data_ptr(): fn for name, fn in rounding.items()}
+        default = None
     if hasattr(model, "set_experts_implementation"):
         # transformers' default for stacked experts is a grouped matmul; its "eager" loop runs
         # each expert as F.linear, which the mode sees.
         model.set_experts_implementation("eager")
-    with _RoundLinearInputs(rounding, skipped):
+    with _RoundLinearInputs(by_storage, default):
         yield
+
+
+@contextmanager
+def fp8_kv_cache(model: torch.nn.Module, scales: dict[int, tuple[float, float]]):
+    """Within the block, the attention of layer i in `model` (a transformers model) sees its keys
+    and values rounded by fp8_static with scales[i] = (k_scale, v_scale): what an e4m3 KV cache
+    with static scales holds. Keys come to the attention function after RoPE, before any
+    repetition for grouped-query attention."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        k_scale, v_scale = scales[module.layer_idx]
+        key, value = fp8_static(k_scale)(key).to(key.dtype), fp8_static(v_scale)(value).to(value.dtype)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("fp8_kv_cache_reference", attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("fp8_kv_cache_reference")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

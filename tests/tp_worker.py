@@ -4,9 +4,10 @@
     python tests/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
 
 JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
-"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "forward" (false: skip the
-full forward) and "again_prompt" (what a compiled model decodes again; default: the prompt less
-its last token)}. With $QRT_TP_TEST_BAD_RANK_PATH,
+"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "dtype", "forward" (false: skip
+the full forward), "again_prompt" (what a compiled model decodes again; default: the prompt less
+its last token) and "teacher_forced" ({"ids": a list, "prefill": P}: the logits of
+teacher_forced_logits, saved as "teacher_forced")}. With $QRT_TP_TEST_BAD_RANK_PATH,
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
 tokens, every rank's own logits, the compile report, every rank's RSS before the job's model and its peak RSS after loading
@@ -30,14 +31,17 @@ def run(job: dict) -> dict:
         path = os.environ["QRT_TP_TEST_BAD_RANK_PATH"]  # the fault test: this rank alone gets a bad checkpoint
     rss_before_kib = current_rss_kib()
     model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
-                                  compile=job["compile"], cache=False, progress=False, warmup=False,
-                                  max_seq_len=job.get("max_seq_len", 128))
+                                  dtype=job.get("dtype"), compile=job["compile"], cache=False, progress=False,
+                                  warmup=False, max_seq_len=job.get("max_seq_len", 128))
     # No warm-up: a graph compiles when a role first runs, so a job compiles only the roles it runs.
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
     logits = None
     if job.get("forward", True):  # the full forward (a third graph when compiled)
         with torch.no_grad():
             logits = model(torch.tensor(job["ids"]))
+    forced = job.get("teacher_forced")
+    if forced:
+        forced = teacher_forced_logits(model, forced["ids"], forced["prefill"])
     tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
     if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
         with torch.compiler.set_stance("fail_on_recompile"):
@@ -46,13 +50,25 @@ def run(job: dict) -> dict:
     else:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
-    mine = {"logits": logits, "rss_kib": peak_rss_kib, "rss_before_kib": rss_before_kib, "shapes": shapes, "tokens": tokens,
+    mine = {"logits": logits, "teacher_forced": forced, "rss_kib": peak_rss_kib, "rss_before_kib": rss_before_kib, "shapes": shapes, "tokens": tokens,
             "report": model.compile_report()}
     gathered = [mine]
     if dist.is_initialized():  # tp=1 starts no process group
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-    return {"logits": logits, "tokens": tokens, "again": again, "ranks": gathered}
+    return {"logits": logits, "teacher_forced": forced, "tokens": tokens, "again": again, "ranks": gathered}
+
+
+def teacher_forced_logits(model, ids: list[int], prefill: int) -> torch.Tensor:
+    """The logits a user's generation computes, at every position of `ids` from prefill - 1 on:
+    the first `prefill` tokens as one prompt chunk into cache slot 0, then each later token fed as
+    a decode step (the KV cache holds all before it). float32 [len(ids) - prefill + 1, V]."""
+    rows = [model.prefill_chunk(ids[:prefill], 0, 0)]
+    for position in range(prefill, len(ids)):
+        tokens, positions = model.idle_decode_rows()
+        tokens[0], positions[0] = ids[position], position
+        rows.append(model.decode_step(tokens, positions, position + 1)[0])
+    return torch.stack(rows)
 
 
 def current_rss_kib() -> int:

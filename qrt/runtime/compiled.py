@@ -231,12 +231,13 @@ class CompiledModel:
 
     def generate_batch(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                       stop_at_eos: bool = True) -> list[list[int]]:
+                       stop_at_eos: bool = True, stream=None) -> list[list[int]]:
         """Continue several token-id prompts (of any lengths) together, batched by the engine.
         Returns each prompt's new ids (a row stops at its EOS).
 
         At most `max_batch_size` prompts run at once (compile_model's argument: the KV cache
-        holds that many sequences); more wait for a free slot."""
+        holds that many sequences); more wait for a free slot.
+        stream: optional callable receiving (row, token id) as each row's new token is produced."""
         params = SamplingParams(temperature, top_k, top_p, seed)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("generate_batch takes a non-empty list of token-id lists")
@@ -244,7 +245,14 @@ class CompiledModel:
         for prompt in prompts:
             ids = self._check_ids(torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1), allow_batch=False)
             requests.append(self.request(ids[0].tolist(), max_new_tokens, params, stop_at_eos=stop_at_eos))
-        sequences = [self.engine.submit(r) for r in requests]
+
+        def listener(row: int):
+            def on_update(update):
+                if update.token is not None:
+                    stream(row, update.token)
+            return on_update
+
+        sequences = [self.engine.submit(r, listener(row) if stream else None) for row, r in enumerate(requests)]
         self._run_engine(sequences)
         return [seq.tokens for seq in sequences]
 

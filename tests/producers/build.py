@@ -38,11 +38,19 @@ STEP_TIMEOUT = 600  # base models, listing variants, verification
 
 
 def kit_hash() -> str:
-    """A short hash of everything that decides the kit's contents: scripts, pins, tokenizer."""
+    """A short hash of everything that decides the kit's contents: the producer scripts, the pins
+    and the tokenizer (not this file, which only runs them: changing how it runs them leaves the
+    kit as it was)."""
     digest = hashlib.sha256()
-    for path in sorted([*HERE.glob("*.py"), *HERE.glob("requirements-*.txt"), TOKENIZER]):
+    scripts = [path for path in HERE.glob("*.py") if path != Path(__file__).resolve()]
+    for path in sorted([*scripts, *HERE.glob("requirements-*.txt"), TOKENIZER]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
+
+
+def default_kit_folder() -> Path:
+    """Where the kit goes without --out: $QRT_PRODUCER_KIT, else the cache, by the kit's hash."""
+    return Path(os.environ.get("QRT_PRODUCER_KIT") or CACHE / "producer-kit" / kit_hash()).expanduser().resolve()
 
 
 def log(message: str) -> None:
@@ -120,8 +128,7 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated variant names or producer names")
     args = parser.parse_args()
     digest = kit_hash()
-    kit = args.out or Path(os.environ.get("QRT_PRODUCER_KIT") or CACHE / "producer-kit" / digest)
-    kit = kit.expanduser().resolve()
+    kit = args.out.expanduser().resolve() if args.out else default_kit_folder()
     logs = kit / "logs"
     summary_path = kit / "kit.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
