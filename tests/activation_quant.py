@@ -137,3 +137,27 @@ def fp8_kv_cache(model: torch.nn.Module, scales: dict[int, tuple[float, float]])
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+# Two runs that differ only in the precision of their arithmetic land this many times the
+# smaller one's distance from the other apart, at most: the bound a whole-model test of a
+# format with rounded activations puts on qrt's distance from its reference (see float64_move).
+DRIFT_FACTOR = 4
+
+
+def float64_move(model: torch.nn.Module, rounding, ids: torch.Tensor) -> float:
+    """How far `model`'s logits for `ids` (a float32 transformers model, linear inputs rounded by
+    `rounding`) move when it runs in float64 instead: relative L2 over every position.
+
+    With activations rounded to e4m3 (3 significant bits) a model's logits are chaotic: an input
+    within summation noise of a rounding edge goes one way in one run and the other way in the
+    next, a whole step, and the difference grows through the layers. Any two correct runs differ
+    by about this much, so it, not the order of sums, sets how close qrt can come to the
+    reference."""
+    wide = copy.deepcopy(model).double()
+    with torch.no_grad():
+        with rounded_inputs(model, rounding):
+            narrow_logits = model(ids).logits.double()
+        with rounded_inputs(wide, rounding):
+            wide_logits = wide(ids).logits
+    return float((narrow_logits - wide_logits).norm() / wide_logits.norm())

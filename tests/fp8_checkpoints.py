@@ -89,9 +89,9 @@ def make_fp8_checkpoint(folder, family: str, arch: str = "llama", seed: int = 0,
             input_scale = torch.rand((), generator=gen) * 0.02 + 0.01  # amax of activations / 448
             tensors[f"{module}.input_scale"] = _stored_scale(family, input_scale)
         if family == "modelopt-fp8-kv-cache" and module.endswith(("k_proj", "v_proj")):
-            # amax / 448 of keys and values; below 1.0 on purpose: ModelOpt's floor must apply.
+            # amax / 448 of keys and values, unclamped, as ModelOpt's Hugging Face export writes them.
             leaf_name = "k_scale" if module.endswith("k_proj") else "v_scale"
-            tensors[f"{module}.{leaf_name}"] = torch.tensor(0.5 if "layers.0" in module else 1.5)
+            tensors[f"{module}.{leaf_name}"] = torch.tensor(0.0125 if "layers.0" in module else 0.02)
     for path in folder.glob("*.safetensors"):
         path.unlink()
     save_file(tensors, str(folder / "model.safetensors"))

@@ -300,26 +300,25 @@ KV_SCALE_RENAMES = (
 )
 
 
-def _load_kv_scale(param, loaded, shard_id, *, family: str):
+def _load_kv_scale(param, loaded, shard_id):
+    # Used as stored: ModelOpt's Hugging Face export (0.47) writes amax / 448 unclamped (its
+    # TensorRT-LLM and Megatron exports floor it at 1.0, which this file format does not record),
+    # and quantize_kv saturates at +-448 anyway.
     if loaded.numel() != 1 or not loaded.dtype.is_floating_point:
         raise TensorMismatch(f"shape {list(loaded.shape)} {loaded.dtype}, expected one float KV-cache scale")
     value = float(loaded.reshape(()))
     if not value > 0 or value == float("inf"):
         raise TensorMismatch(f"KV-cache scale {value}; a scale must be a positive finite multiplier")
-    if family == "modelopt":
-        # ModelOpt's exporter clamps FP8 KV scales to at least 1.0; older exports did not, and
-        # a smaller scale would overflow e4m3 on large keys. Apply the same floor.
-        value = max(value, 1.0)
     param.data.fill_(value)
 
 
-def create_kv_scales(attention: nn.Module, family: str) -> None:
+def create_kv_scales(attention: nn.Module) -> None:
     """k_scale and v_scale of an FP8 KV cache: the cache holds k / k_scale cast to e4m3 and is
-    read back as k_fp8 * k_scale (same for v). `family` names whose convention applies."""
+    read back as k_fp8 * k_scale (same for v)."""
     for name in ("k_scale", "v_scale"):
         setattr(attention, name, make_parameter(
             torch.empty(1),  # [1] fp32
-            weight_loader=partial(_load_kv_scale, family=family), quant_format="fp8 kv cache",
+            weight_loader=_load_kv_scale, quant_format="fp8 kv cache",
         ))
 
 

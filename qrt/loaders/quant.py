@@ -25,7 +25,7 @@ class QuantScheme:
         self.make_method = make_method
         self.skip = tuple(skip)
         self.description = description
-        self.kv_cache_fp8 = kv_cache_fp8  # None, or the family whose k_scale/v_scale convention applies
+        self.kv_cache_fp8 = kv_cache_fp8  # None, or the family that wrote the FP8 KV cache's scales
         self.quantized_lm_head = quantized_lm_head  # the checkpoint stores lm_head quantized too
         self.make_lm_head_method = make_lm_head_method  # online: lm_head's own format, or None (kept dense)
 

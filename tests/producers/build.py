@@ -37,15 +37,25 @@ VARIANT_TIMEOUT = 900  # each takes 5-35 s here; a hang must not stall the kit
 STEP_TIMEOUT = 600  # base models, listing variants, verification
 
 
-def kit_hash() -> str:
-    """A short hash of everything that decides the kit's contents: the producer scripts, the pins
-    and the tokenizer (not this file, which only runs them: changing how it runs them leaves the
-    kit as it was)."""
+def _digest(paths) -> str:
     digest = hashlib.sha256()
-    scripts = [path for path in HERE.glob("*.py") if path != Path(__file__).resolve()]
-    for path in sorted([*scripts, *HERE.glob("requirements-*.txt"), TOKENIZER]):
+    for path in sorted(paths):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
+
+
+def kit_hash() -> str:
+    """A short hash of what every variant depends on: the base models and reference writers
+    (base_models.py), the checks (verify.py), the base venv's pins and the tokenizer. A change to
+    one of them gives a new kit folder."""
+    return _digest([HERE / "base_models.py", HERE / "verify.py", HERE / "requirements-base.txt", TOKENIZER])
+
+
+def producer_hash(producer: str) -> str:
+    """A short hash of one producer's script and pins: a variant built with another is rebuilt, so
+    that changing one producer rebuilds only its variants."""
+    script, requirements, _ = PRODUCERS[producer]
+    return _digest([HERE / script, HERE / f"requirements-{requirements}.txt"])
 
 
 def default_kit_folder() -> Path:
@@ -135,7 +145,8 @@ def main() -> int:
     only = set(args.only.split(",")) if args.only else None
     producers = [name for name, (_, _, prefix) in PRODUCERS.items()
                  if only is None or name in only or any(item.startswith(prefix) for item in only)]
-    if only is None and summary.get("complete"):
+    hashes = {producer: producer_hash(producer) for producer in PRODUCERS}
+    if only is None and summary.get("complete") and summary.get("producer_hashes") == hashes:
         log(f"kit already built: {kit}")
         print(kit)
         return 0 if not summary.get("failed") else 1
@@ -173,7 +184,8 @@ def main() -> int:
         selected = [name for name in names if only is None or producer in only or name in only]
         wanted += selected
         for index, name in enumerate(selected, 1):
-            if name in built and (kit / name / "kit.json").exists():
+            record = kit / name / "kit.json"
+            if name in built and record.exists() and json.loads(record.read_text()).get("producer_hash") == hashes[producer]:
                 continue
             log(f"{producer} [{index}/{len(selected)}] {name} ...")
             step = time.monotonic()
@@ -185,7 +197,10 @@ def main() -> int:
                 built.discard(name)
                 continue
             seconds[name] = round(time.monotonic() - step, 1)
-            versions[producer] = json.loads((kit / name / "kit.json").read_text())["version"]
+            record = json.loads((kit / name / "kit.json").read_text())
+            record["producer_hash"] = hashes[producer]
+            (kit / name / "kit.json").write_text(json.dumps(record, indent=2))
+            versions[producer] = record["version"]
             failed.pop(name, None)
             built.add(name)
             log(f"{name} built in {seconds[name]:.0f} s")
@@ -221,6 +236,7 @@ def main() -> int:
                    for producer in PRODUCERS)
     summary = {
         "kit_hash": digest,
+        "producer_hashes": hashes,
         "complete": complete,
         "producers": versions,
         "variants": listed,

@@ -108,7 +108,11 @@ def dequantize(folder: Path) -> tuple[dict, list[str]]:
     # norms for quantized linears too. So every module that is not quantized is named as ignored.
     unquantized = sorted({name.rpartition(".")[0] for name in saved} - set(quantized))
     converter = CompressedTensorsDequantizer(folder, ignore=unquantized, dtype=torch.float32)
-    tensors = converter.validate({name: tensor for name, tensor in saved.items() if not name.endswith(".input_scale")})
+    # The dequantizer computes in the scales' dtype and casts after: with the float16/bfloat16
+    # scales as saved, q x scale (up to 4 + 11 significant bits) is rounded to that dtype, which
+    # is not the weight the checkpoint defines. Given float32 scales, every product is exact.
+    tensors = converter.validate({name: tensor.float() if name.endswith(".weight_scale") else tensor
+                                  for name, tensor in saved.items() if not name.endswith(".input_scale")})
     return tensors, quantized
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.fp8_cache = scheme.kv_cache_fp8 is not None
         if self.fp8_cache:
-            create_kv_scales(self, scheme.kv_cache_fp8)
+            create_kv_scales(self)
 
     def allocate_cache(self, batch: int, length: int, dtype, device) -> None:
         shape = (batch, self.num_kv_heads, length, self.head_dim)  # [B, KVH, S, hd]
