@@ -142,15 +142,20 @@ def side_file_names() -> tuple[str, ...]:
 
 
 def formats_markdown() -> str:
-    """The format list as `qrt formats --markdown` prints it and the README shows it."""
+    """The format list as `qrt formats --markdown` prints it and the README shows it: each kind's
+    formats by name, since the registries' order is the order their modules happened to be imported."""
     lines = ["| format | detected from | what qrt reads or makes |", "|---|---|---|"]
-    for fmt in stored_formats().values():
+
+    def by_name(formats: dict) -> list:
+        return [formats[name] for name in sorted(formats)]
+
+    for fmt in by_name(stored_formats()):
         lines.append(f"| `{fmt.quant_method}` | `quantization_config.quant_method` | {fmt.summary} |")
-    for ct in compressed_tensors_formats().values():
+    for ct in by_name(compressed_tensors_formats()):
         lines.append(f"| compressed-tensors `{ct.name}` | its config group | {ct.summary} |")
-    for side in side_file_formats().values():
+    for side in by_name(side_file_formats()):
         lines.append(f"| {side.name} | `{side.file_name}` (when config.json says nothing) | {side.summary} |")
-    for online in online_formats().values():
+    for online in by_name(online_formats()):
         lm_head = online.lm_head_summary or "lm_head kept as stored"
         lines.append(f"| `quant=\"{online.name}\"` | asked for (unquantized checkpoint) | {online.summary}; {lm_head} |")
     return "\n".join(lines)
