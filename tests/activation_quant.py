@@ -62,9 +62,9 @@ class _RoundLinearInputs(TorchFunctionMode):
     """Rounds F.linear's input by its weight's storage (a slice of stacked experts shares it):
     `by_storage` maps a storage to its rounding (None: left as it is), `default` rounds the rest."""
 
-    def __init__(self, by_storage: dict, default):
+    def __init__(self, by_storage: dict, default, outputs):
         super().__init__()
-        self.by_storage, self.default = by_storage, default
+        self.by_storage, self.default, self.outputs = by_storage, default, outputs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,7 +72,8 @@ class _RoundLinearInputs(TorchFunctionMode):
             x, weight, *rest = args
             rounding = self.by_storage.get(weight.untyped_storage().data_ptr(), self.default)
             if rounding is not None:
-                args = (rounding(x).to(x.dtype), weight, *rest)
+                out = func(rounding(x).to(x.dtype), weight, *rest, **kwargs)
+                return out if self.outputs is None else self.outputs(out).to(out.dtype)
         return func(*args, **kwargs)
 
 
@@ -93,14 +94,16 @@ def with_rounded_weights(model: torch.nn.Module, rounding) -> torch.nn.Module:
 
 
 @contextmanager
-def rounded_inputs(model: torch.nn.Module, rounding):
+def rounded_inputs(model: torch.nn.Module, rounding, outputs=None):
     """Within the block, the linears of `model` see their input through `rounding`: a function for
     every linear but the unquantized ones; a dict {parameter name: function} for those weights
-    only; or None (the block runs as it is, for formats that keep activations as they are)."""
+    only; or None (the block runs as it is, for formats that keep activations as they are).
+    `outputs`, if given, rounds what those linears return (a kernel's own rounding of its sums)."""
     if rounding is None:
         yield
         return
-    parameters = dict(model.named_parameters())
+    # Tied weights too (a tied lm_head is only listed under its own name with remove_duplicate=False).
+    parameters = dict(model.named_parameters(remove_duplicate=False))
     if callable(rounding):
         by_storage = {param.untyped_storage().data_ptr(): None for name, param in parameters.items()
                       if name.removesuffix(".weight").endswith(UNQUANTIZED)}
@@ -112,7 +115,7 @@ def rounded_inputs(model: torch.nn.Module, rounding):
         # transformers' default for stacked experts is a grouped matmul; its "eager" loop runs
         # each expert as F.linear, which the mode sees.
         model.set_experts_implementation("eager")
-    with _RoundLinearInputs(by_storage, default):
+    with _RoundLinearInputs(by_storage, default, outputs):
         yield
 
 
@@ -139,25 +142,48 @@ def fp8_kv_cache(model: torch.nn.Module, scales: dict[int, tuple[float, float]])
         model.set_attn_implementation(previous)
 
 
-# Two runs that differ only in the precision of their arithmetic land this many times the
-# smaller one's distance from the other apart, at most: the bound a whole-model test of a
-# format with rounded activations puts on qrt's distance from its reference (see float64_move).
+# How far apart two correct runs land, at most, in units of the largest move that reference_drift
+# sees: the bound a whole-model test of a format with rounded activations puts on qrt's distance
+# from its reference.
 DRIFT_FACTOR = 4
+# Runs with nudged embeddings, besides the float64 one. On the tiny Gemma 3 one nudge in eight
+# flips an activation's rounding (and moves its logits by 1.5e-2); the other seven move them by 2e-7.
+NUDGES = 8
 
 
-def float64_move(model: torch.nn.Module, rounding, ids: torch.Tensor) -> float:
-    """How far `model`'s logits for `ids` (a float32 transformers model, linear inputs rounded by
-    `rounding`) move when it runs in float64 instead: relative L2 over every position.
+def nudged(embeddings: torch.Tensor, seed: int) -> torch.Tensor:
+    """`embeddings` with each value moved by about one float32 ulp (relative 2**-24 x N(0, 1)),
+    a perturbation no larger than a different order of float32 sums makes."""
+    noise = torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (embeddings.double() * (1 + noise * 2.0 ** -24)).to(embeddings.dtype)
 
-    With activations rounded to e4m3 (3 significant bits) a model's logits are chaotic: an input
-    within summation noise of a rounding edge goes one way in one run and the other way in the
-    next, a whole step, and the difference grows through the layers. Any two correct runs differ
-    by about this much, so it, not the order of sums, sets how close qrt can come to the
-    reference."""
+
+def reference_drift(run) -> float:
+    """How far a reference's logits move under changes of arithmetic alone: `run(dtype, seed)`
+    gives its logits computed in `dtype` with its embeddings nudged by `seed` (0: not nudged).
+    The largest relative L2 move over a float64 run and NUDGES nudged float32 runs.
+
+    With activations rounded to e4m3 (3 significant bits), or int8, a model's logits are chaotic:
+    an input within summation noise of a rounding edge goes one way in one run and the other way
+    in the next, a whole step, and the difference grows through the layers. Such flips are rare
+    events on a small model, so one perturbation may see none: hence several. Any two correct runs
+    differ by about the largest move, so it, not the order of sums, sets how close qrt can come to
+    the reference."""
+    base = run(torch.float32, 0).double()
+    moves = [run(torch.float64, 0).double()] + [run(torch.float32, seed).double() for seed in range(1, NUDGES + 1)]
+    return max(float((moved - base).norm() / base.norm()) for moved in moves)
+
+
+def model_drift(model: torch.nn.Module, rounding, ids: torch.Tensor) -> float:
+    """reference_drift of a float32 transformers model whose linear inputs `rounding` rounds."""
     wide = copy.deepcopy(model).double()
-    with torch.no_grad():
-        with rounded_inputs(model, rounding):
-            narrow_logits = model(ids).logits.double()
-        with rounded_inputs(wide, rounding):
-            wide_logits = wide(ids).logits
-    return float((narrow_logits - wide_logits).norm() / wide_logits.norm())
+
+    def run(dtype, seed):
+        reference = wide if dtype == torch.float64 else model
+        embeddings = reference.get_input_embeddings()(ids)
+        if seed:
+            embeddings = nudged(embeddings, seed)
+        with torch.no_grad(), rounded_inputs(reference, rounding):
+            return reference(inputs_embeds=embeddings).logits
+
+    return reference_drift(run)

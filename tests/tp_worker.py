@@ -4,7 +4,8 @@
     python tests/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
 
 JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
-"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "dtype", "forward" (false: skip
+"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "dtype", "may_refuse" (true: an UnsupportedError
+while loading is saved as "refused" instead of ending the run), "forward" (false: skip
 the full forward), "again_prompt" (what a compiled model decodes again; default: the prompt less
 its last token) and "teacher_forced" ({"ids": a list, "prefill": P}: the logits of
 teacher_forced_logits, saved as "teacher_forced")}. With $QRT_TP_TEST_BAD_RANK_PATH,
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from qrt import runtime
+from qrt.loaders.errors import UnsupportedError
 
 
 def run(job: dict) -> dict:
@@ -30,9 +32,15 @@ def run(job: dict) -> dict:
     if os.environ.get("RANK") == "1" and os.environ.get("QRT_TP_TEST_BAD_RANK_PATH"):
         path = os.environ["QRT_TP_TEST_BAD_RANK_PATH"]  # the fault test: this rank alone gets a bad checkpoint
     rss_before_kib = current_rss_kib()
-    model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
-                                  dtype=job.get("dtype"), compile=job["compile"], cache=False, progress=False,
-                                  warmup=False, max_seq_len=job.get("max_seq_len", 128))
+    try:
+        model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
+                                      dtype=job.get("dtype"), compile=job["compile"], cache=False, progress=False,
+                                      warmup=False, max_seq_len=job.get("max_seq_len", 128))
+    except UnsupportedError as error:
+        if not job.get("may_refuse"):
+            raise
+        # Every rank refuses alike (the same shapes), before any collective: the run goes on.
+        return {"refused": str(error)}
     # No warm-up: a graph compiles when a role first runs, so a job compiles only the roles it runs.
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
     logits = None
@@ -56,7 +64,8 @@ def run(job: dict) -> dict:
     if dist.is_initialized():  # tp=1 starts no process group
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-    return {"logits": logits, "teacher_forced": forced, "tokens": tokens, "again": again, "ranks": gathered}
+    return {"refused": None, "logits": logits, "teacher_forced": forced, "tokens": tokens, "again": again,
+            "ranks": gathered}
 
 
 def teacher_forced_logits(model, ids: list[int], prefill: int) -> torch.Tensor:
