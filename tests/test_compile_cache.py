@@ -104,6 +104,7 @@ def test_cli_lists_and_clears_entries(llama_dir, cache_dir, capsys):
     assert not (cache_dir / "inductor").exists()
 
 
+@pytest.mark.slow  # the frozen build's whole-model compile: 15 s; the frozen build's other tests are slow too
 def test_no_cache_and_frozen_builds_write_no_entry(llama_dir, cache_dir):
     assert start(llama_dir, cache=False, progress=False).cache_hit is False
     assert start(llama_dir, build="frozen", progress=False).compile_cache is None

@@ -18,6 +18,7 @@ def _gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.mark.slow  # two eager loads of the default model: 25 s of the default run's 12 minutes
 @needs_model
 def test_gguf_file_loads_like_the_converted_checkpoint():
     from_gguf = runtime.compile_model(_gguf_path(), compile=False, progress=False, max_seq_len=64)
