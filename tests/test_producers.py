@@ -91,7 +91,25 @@ def variant(name: str) -> tuple[Path, dict]:
     return folder, json.loads((folder / "kit.json").read_text())
 
 
-def activation_rounding(folder: Path, info: dict, reference: torch.nn.Module, tp: int):
+@cache
+def saved_tensors(name: str) -> dict[str, torch.Tensor]:
+    """The variant's checkpoint tensors, as the producer saved them (read once)."""
+    return load_tensors(kit_folder() / name)
+
+
+@cache
+def reference_model(name: str, dtype: str) -> torch.nn.Module:
+    """transformers on the variant's float32 reference, in `dtype` (loaded once per dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = variant(name)
+    model = AutoModelForCausalLM.from_pretrained(str(folder / "reference"), dtype=getattr(torch, dtype)).eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # its grouped matmul takes no float64
+    return model
+
+
+def activation_rounding(name: str, info: dict, reference: torch.nn.Module, tp: int):
     """What rounded_inputs needs to round the reference's linear inputs as `info`'s format does at
     `tp` ranks: a row-parallel rank (o_proj, down_proj) quantizes its 1/tp of each input row with
     that part's own range, so a per-token format becomes per-group of K / tp there."""
@@ -99,7 +117,7 @@ def activation_rounding(folder: Path, info: dict, reference: torch.nn.Module, tp
     if kind is None:
         return None
     if kind == "fp8 per-tensor static":
-        saved = load_tensors(folder)
+        saved = saved_tensors(name)
         return {module + ".weight": fp8_static(saved[module + ".input_scale"].item())
                 for module in info["quantized_modules"]}
     if kind == "fp8 per-group-128 dynamic":
@@ -116,12 +134,12 @@ def activation_rounding(folder: Path, info: dict, reference: torch.nn.Module, tp
     return rounding
 
 
-def kv_cache_scales(folder: Path, info: dict, layers: int) -> dict | None:
+def kv_cache_scales(name: str, info: dict, layers: int) -> dict | None:
     """{layer: (k_scale, v_scale)} of an FP8 KV cache, as ModelOpt exports them; None without one."""
     if info["kv_cache"] is None:
         return None
     assert info["kv_cache"] == "fp8", info["kv_cache"]
-    saved = load_tensors(folder)
+    saved = saved_tensors(name)
     return {i: (saved[f"model.layers.{i}.self_attn.k_proj.k_scale"].item(),
                 saved[f"model.layers.{i}.self_attn.v_proj.v_scale"].item()) for i in range(layers)}
 
@@ -144,16 +162,12 @@ def reference_logits(name: str, tp: int, dtype: str = "float32", nudge: int = 0,
     teacher_forced_logits gives."""
     from contextlib import nullcontext
 
-    from transformers import AutoModelForCausalLM
-
-    folder, info = variant(name)
-    model = AutoModelForCausalLM.from_pretrained(str(folder / "reference"), dtype=getattr(torch, dtype)).eval()
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")  # its grouped matmul takes no float64
-    scales = kv_cache_scales(folder, info, model.config.num_hidden_layers)
+    _, info = variant(name)
+    model = reference_model(name, dtype)
+    scales = kv_cache_scales(name, info, model.config.num_hidden_layers)
     kv = fp8_kv_cache(model, scales) if scales else nullcontext()
     outputs = KERNEL_ROUNDING.get(info["activation_quant"]) if kernel_rounding else None
-    with torch.no_grad(), kv, rounded_inputs(model, activation_rounding(folder, info, model, tp), outputs):
+    with torch.no_grad(), kv, rounded_inputs(model, activation_rounding(name, info, model, tp), outputs):
         embeddings = model.get_input_embeddings()(torch.tensor([IDS]))
         if nudge:
             embeddings = nudged(embeddings, nudge)
@@ -199,8 +213,6 @@ def test_each_quantized_linear_matches_the_reference_on_qrts_own_inputs(name):
     """Layer by layer, without the whole model's drift: each of qrt's attention and dense MLP
     linears (eager, float32) is given its input, and the reference computes the output from that
     same input, rounded as the format does, with the producer's dequantized weight."""
-    from transformers import AutoModelForCausalLM
-
     folder, info = variant(name)
     model = runtime.compile_model(folder, dtype=torch.float32, compile=False, cache=False, progress=False,
                                   max_seq_len=64)
@@ -216,9 +228,9 @@ def test_each_quantized_linear_matches_the_reference_on_qrts_own_inputs(name):
             module.register_forward_hook(keep(module_name))
     with torch.no_grad():
         model(torch.tensor([IDS]))
-    reference = AutoModelForCausalLM.from_pretrained(str(folder / "reference"), dtype=torch.float32)
+    reference = reference_model(name, "float32")
     parameters = dict(reference.named_parameters())
-    rounding = activation_rounding(folder, info, reference, 1)
+    rounding = activation_rounding(name, info, reference, 1)
     assert len(seen) >= 2 * reference.config.num_hidden_layers, sorted(seen)  # attention at least
     failures = []
     for module_name, (x, y) in seen.items():
