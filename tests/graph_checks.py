@@ -40,9 +40,9 @@ def assert_no_graph_breaks(model, role: str) -> None:
 
 def swap_record(log, name: str = "swap_quantized_linear"):
     """(graph report, the record of pass `name`) of a compile log that holds exactly one graph.
-    CPU graphs get the two swap passes: linears, then experts."""
+    CPU graphs get the three swap passes: linears, experts, then decode attention."""
     (graph,) = log.graphs
-    assert [p.name for p in graph.passes] == ["swap_quantized_linear", "swap_fused_experts"]
+    assert [p.name for p in graph.passes] == ["swap_quantized_linear", "swap_fused_experts", "swap_decode_attention"]
     return graph, next(p for p in graph.passes if p.name == name)
 
 

@@ -70,7 +70,10 @@ def test_fp8_agrees_with_bf16_teacher_forced(fp8_model, bf16_continuations):
 # Q4_1 values (4-bit in groups of 32 with a float minimum): int4 lands on that grid, which flatters
 # it, and int4-g128 re-rounds already-rounded weights onto a coarser one, which costs it more than
 # on an ordinary bf16 model. Bounds sit under the measurements so summation order cannot flip them.
-INT_MIN_AGREEMENT = {"int8": 0.93, "int4": 0.95, "int4-g128": 0.70}
+# The bf16 continuations are those of the eager reference, whose decode attention sums in fp32 over
+# each row's own entries: with it, int4-g128 measured 0.698 here (0.75, 0.61, 0.73) on the new
+# continuations, against 0.734 on those of the earlier bf16 attention: another text, not another model.
+INT_MIN_AGREEMENT = {"int8": 0.93, "int4": 0.95, "int4-g128": 0.66}
 
 
 @pytest.mark.parametrize("quant", sorted(INT_MIN_AGREEMENT))

@@ -47,6 +47,9 @@ class Kernel:
     preference: int = 0  # the lowest among the kernels that accept wins
     prepackable: bool = False  # its GEMM goes through dense_linear: a oneDNN-prepacked weight may stand in
     fusions: tuple[Fusion, ...] = field(default=())
+    # The attribute of the tensor on which the loader records this choice, and so which swap
+    # pass carries it out: a linear's weight ("kernel"), a KV cache ("attention_kernel").
+    recorded_as: str = "kernel"
 
 
 class NoKernelError(LookupError):
@@ -87,4 +90,5 @@ def choose(logical: str, device_type: str, **facts) -> Kernel:
 
 def linear_ops() -> frozenset[str]:
     """Ops a layer's graph may call with a weight whose kernel the loader pass recorded."""
-    return frozenset({k.op for k in _KERNELS.values()} | {k.replaces for k in _KERNELS.values() if k.replaces})
+    linear = [k for k in _KERNELS.values() if k.recorded_as == "kernel"]
+    return frozenset({k.op for k in linear} | {k.replaces for k in linear if k.replaces})

@@ -1,4 +1,6 @@
-"""qrt's own CPU kernels (csrc/quantized_cpu.cpp): built on first use, loaded as `torch.ops.qrt_cpu.*`.
+"""qrt's own CPU kernels (the C++ sources in csrc/: quantized_cpu.cpp, the quantized GEMVs and
+GEMMs; decode_attention_cpu.cpp, attention of one new token per row over the KV cache): built
+together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
 They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
 ninja, all of which Inductor's CPU backend wants anyway. Where any is missing, `available()` is
@@ -6,7 +8,7 @@ False, says why once, and the kernels declared on top of these ops step aside fo
 Inductor ones (each declaration's `accepts`).
 
 The build is cached by torch's extension builder under $TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions), in a folder named after a hash of the source and flags, so an edited
+~/.cache/torch_extensions), in a folder named after a hash of the sources and flags, so an edited
 source builds afresh and a stale library is never loaded. `make setup` builds it once
 (`qrt.kernels.native_cpu.why_unavailable()`); otherwise the first model load does, in about 10 s.
 
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "quantized_cpu.cpp"
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.cpp")))
 # AMX is never enabled: its tile instructions fault on some machines that report it.
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi",
           "-mf16c", "-mfma", "-fopenmp")
@@ -96,7 +98,7 @@ def _load() -> str | None:
     if log is None:
         return None
     first_error = next((line for line in log.splitlines() if "error:" in line), log.splitlines()[-1])
-    return f"building {SOURCE.name} failed: {first_error.strip()}"
+    return f"building {', '.join(s.name for s in SOURCES)} failed: {first_error.strip()}"
 
 
 @functools.cache
@@ -104,8 +106,8 @@ def _build_log() -> str | None:
     """Build (or find built) and load the library; None on success, else the build's whole message."""
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_text()
-    digest = hashlib.sha256("\n".join((source, *CFLAGS, torch.__version__)).encode()).hexdigest()[:12]
+    sources = [source.read_text() for source in SOURCES]
+    digest = hashlib.sha256("\n".join((*sources, *CFLAGS, torch.__version__)).encode()).hexdigest()[:12]
     name = f"qrt_quantized_cpu_{digest}"
     if shutil.which("ninja") is None:  # the ninja wheel installs beside this interpreter
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -113,8 +115,8 @@ def _build_log() -> str | None:
     if not any(build_dir.glob(f"{name}*.so")):
         print("qrt: building its CPU kernels (first use with this torch, about 10 s)", file=sys.stderr, flush=True)
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: fall back, say why
         return str(error).strip() or repr(error)
     _register_fakes()
@@ -122,7 +124,7 @@ def _build_log() -> str | None:
 
 
 def _register_fakes() -> None:
-    """Shapes for tracing: every op returns [M, N]."""
+    """Shapes for tracing: every linear op returns [M, N], decode attention q's shape."""
 
     @torch.library.register_fake("qrt_cpu::fp8_linear")
     def _(x, weight, weight_scale, bias, block_n, block_k, input_scale, min_rows_dequantized):
@@ -135,3 +137,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("qrt_cpu::int8pack_mm")
     def _(x, weight, scales, min_rows_dequantized):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("qrt_cpu::decode_attention")
+    def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

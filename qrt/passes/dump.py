@@ -65,4 +65,12 @@ def _kernel_table(logs) -> str:
                             f"| {weight} | {choice.device} | {choice.reason} |")
     if len(rows) == 4:
         rows.append("| | | | (no quantized linear layers: nothing to swap) | | | |")
+    rows += ["", "# Kernel chosen for each decode-attention call", "",
+             "| function | node | kernel | K cache | device | why |", "|---|---|---|---|---|---|"]
+    for log in logs:
+        for report in log.graphs:
+            for choice in report.attention_choices:
+                cache = f"{list(choice.weight_shape)} {choice.weight_dtype}"
+                rows.append(f"| {log.label} | `{choice.node}` | {choice.kernel} | {cache} | {choice.device} "
+                            f"| {choice.reason} |")
     return "\n".join(rows) + "\n"

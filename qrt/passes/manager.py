@@ -6,10 +6,11 @@ import torch.fx
 
 from .base import GraphPass, count_ops, graph_code, graph_modules, input_values
 from .fuse_act_quant import FuseActivationQuant
+from .swap_attention import SwapDecodeAttention
 from .swap_experts import SwapFusedExperts
 from .swap_linear import SwapQuantizedLinear
 
-DEFAULT_PASSES: tuple[type[GraphPass], ...] = (SwapQuantizedLinear, SwapFusedExperts)
+DEFAULT_PASSES: tuple[type[GraphPass], ...] = (SwapQuantizedLinear, SwapFusedExperts, SwapDecodeAttention)
 # CUDA graphs also get the passes that emit Triton kernels. On the CPU, Inductor already fuses
 # what FuseActivationQuant fuses (the quantization is part of a composite CPU kernel).
 CUDA_PASSES: tuple[type[GraphPass], ...] = DEFAULT_PASSES + (FuseActivationQuant,)
@@ -36,7 +37,8 @@ class GraphReport:
 
     label: str
     passes: list[PassRecord] = field(default_factory=list)
-    kernel_choices: list = field(default_factory=list)
+    kernel_choices: list = field(default_factory=list)  # per linear (and experts block)
+    attention_choices: list = field(default_factory=list)  # per decode-attention call
 
 
 def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PASSES, keep_code=True,

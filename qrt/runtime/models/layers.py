@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.choices import choose
 
 from qrt.loaders.linear import Linear, copy_rows, create_kv_scales, dequantize_kv, make_parameter, quantize_kv
 from qrt.loaders.tensor_parallel import SINGLE, Parallelism, TensorSplit, all_reduce
@@ -220,6 +221,8 @@ class Attention(nn.Module):
             self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.softcap = cfg.attn_logit_softcap
+        # Set by the decoder layer: how many entries a sliding-window layer attends over (None: all).
+        self.sliding_window = None
         self.register_buffer("k_cache", None, persistent=False)  # set by allocate_cache
         self.register_buffer("v_cache", None, persistent=False)
         self.fp8_cache = scheme.kv_cache_fp8 is not None
@@ -231,6 +234,34 @@ class Attention(nn.Module):
         dtype = torch.float8_e4m3fn if self.fp8_cache else dtype
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # The decode-attention kernel for this cache, which the attention swap pass reads from the
+        # op's k_cache argument (qrt/passes/swap_attention.py).
+        self.k_cache.attention_kernel = choose("qrt.decode_attention", device.type, head_dim=self.head_dim,
+                                     group=self.num_heads // self.num_kv_heads).op
+
+    def _write_cache(self, k, v, positions, slots) -> None:
+        """Store k, v ([B, KVH, T, hd]) at `positions` of cache rows `slots` (quantized first for
+        an fp8 cache)."""
+        if self.fp8_cache:
+            k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
+        write_cache(self.k_cache, k, positions, slots)
+        write_cache(self.v_cache, v, positions, slots)
+
+    def _decode_attention(self, q, k, v, positions, slots):
+        """One new token per row (q [B, H, 1, hd], k/v [B, KVH, 1, hd]) attending over its own live
+        cache entries with qrt.decode_attention (the kernel chosen in allocate_cache replaces it
+        when compiled). A row at the cache's last position is idle (CompiledModel.idle_decode_rows):
+        it attends only to the entry it writes. Returns [B, H, hd]."""
+        bsz = q.shape[0]
+        self._write_cache(k, v, positions, slots)
+        last = positions[:, 0]  # [B]
+        first = torch.zeros_like(last) if self.sliding_window is None else (last - self.sliding_window + 1).clamp(min=0)
+        first = torch.where(last == self.k_cache.shape[2] - 1, last, first)
+        slots = torch.arange(bsz, device=q.device) if slots is None else slots
+        scale_k, scale_v = (self.k_scale, self.v_scale) if self.fp8_cache else (None, None)
+        return torch.ops.qrt.decode_attention(q.reshape(bsz, self.num_heads, self.head_dim), self.k_cache,
+                                              self.v_cache, slots, first, last, self.scale, self.softcap or 0.0,
+                                              scale_k, scale_v)
 
     def forward(self, x, cos, sin, mask, positions, slots):
         """x: [B, T, D]; cos/sin: [B, 1, T, rot]; mask: [B, T, S'] bool (True = may attend) over
@@ -246,12 +277,13 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if positions is not None and seq == 1:
+            return self.o_proj(self._decode_attention(q, k, v, positions, slots).view(bsz, 1, q_size))
         if positions is not None:
             attended = mask.shape[-1]  # S': the cache entries this call attends over
-            if self.fp8_cache:
-                k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
-            k = write_and_read_cache(self.k_cache, k, positions, slots, attended)  # [B, KVH, S', hd]
-            v = write_and_read_cache(self.v_cache, v, positions, slots, attended)
+            self._write_cache(k, v, positions, slots)
+            k = read_cache(self.k_cache, slots, attended)  # [B, KVH, S', hd]
+            v = read_cache(self.v_cache, slots, attended)
             if self.fp8_cache:
                 k, v = dequantize_kv(k, self.k_scale, q.dtype), dequantize_kv(v, self.v_scale, q.dtype)
         # Grouped-query attention without copying K/V per query head: the G query heads that
@@ -267,9 +299,9 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-def write_and_read_cache(cache, new, positions, slots, attended: int) -> torch.Tensor:
+def write_cache(cache, new, positions, slots) -> None:
     """Write `new` ([B, KVH, T, hd]) into `cache` ([N, KVH, S, hd]) at each row's `positions`
-    ([B, T]) in cache row `slots[b]` (or b), and return those rows' first `attended` entries.
+    ([B, T]) in cache row `slots[b]` (or b).
 
     One flat index_copy_ over [N * KVH * S, hd] rows, because every batch row writes at positions
     of its own. An fp8 cache is written as bytes: ATen's CPU index_copy_ has no fp8 kernel."""
@@ -277,13 +309,19 @@ def write_and_read_cache(cache, new, positions, slots, attended: int) -> torch.T
     bsz = new.shape[0]
     batch_rows = torch.arange(bsz, device=cache.device) if slots is None else slots  # [B]
     heads_index = torch.arange(heads, device=cache.device)
-    flat = (batch_rows[:, None, None] * heads + heads_index[None, :, None]) * length + positions[:, None, :]  # [B, KVH, T]
+    flat = (batch_rows[:, None, None] * heads + heads_index[None, :, None]) * length + positions[:, None, :]
+    # flat: [B, KVH, T], each new row's index in the cache viewed as [N * KVH * S, hd]
     storage, values = cache, new.reshape(-1, hd)
     if cache.dtype == torch.float8_e4m3fn:
         storage, values = cache.view(torch.uint8), values.view(torch.uint8)
     storage.view(rows * heads * length, hd).index_copy_(0, flat.reshape(-1), values)
+
+
+def read_cache(cache, slots, attended: int) -> torch.Tensor:
+    """The first `attended` entries of cache rows `slots` ([B]; None: all rows, in order):
+    [B, KVH, S', hd]."""
     held = cache[:, :, :attended]  # [N, KVH, S', hd]
-    return held if slots is None else held.index_select(0, slots)  # [B, KVH, S', hd]
+    return held if slots is None else held.index_select(0, slots)
 
 
 def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
@@ -335,6 +373,8 @@ class DecoderLayer(nn.Module):
                                             fused_checkpoint=self.fused_checkpoint)
         self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         setattr(self, self.mlp_name, self.make_mlp(cfg, index, f"{prefix}.{self.mlp_name}", scheme, dtype))
+        if self.sliding:
+            self.self_attn.sliding_window = cfg.sliding_window
 
     def make_mlp(self, cfg: ModelConfig, index: int, prefix: str, scheme, dtype) -> nn.Module:
         """The feed-forward block of layer `index` (mixture-of-experts families choose per layer)."""

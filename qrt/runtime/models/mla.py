@@ -23,7 +23,7 @@ from qrt.loaders.errors import UnsupportedError
 from qrt.loaders.linear import Linear
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, write_and_read_cache
+from .layers import RMSNorm, apply_rope, read_cache, write_cache
 
 
 def halves_from_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +85,10 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
         if positions is not None:
             attended = mask.shape[-1]
-            latent = write_and_read_cache(self.latent_cache, latent, positions, slots, attended)  # [B, 1, S', r]
-            k_rot = write_and_read_cache(self.rope_cache, k_rot, positions, slots, attended)  # [B, 1, S', rope]
+            write_cache(self.latent_cache, latent, positions, slots)
+            write_cache(self.rope_cache, k_rot, positions, slots)
+            latent = read_cache(self.latent_cache, slots, attended)  # [B, 1, S', r]
+            k_rot = read_cache(self.rope_cache, slots, attended)  # [B, 1, S', rope]
         keys = latent.shape[2]
         kv = self.kv_b_proj(latent.squeeze(1)).view(bsz, keys, heads, mla.qk_nope_head_dim + mla.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [B, H, S', *]
