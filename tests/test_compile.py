@@ -41,13 +41,28 @@ def test_regional_build_prepacks_dense_weights(llama_dir, bf16_regional):
 
 @pytest.mark.slow  # compiling the older frozen build: about 40 s of the default run's 12 minutes
 def test_regional_build_matches_the_frozen_build(llama_dir, bf16_regional):
+    """Both builds fed the frozen build's own greedy tokens give the same logits to bf16 rounding
+    and the same choice at every step whose top two logits are not tied. Free-running tokens
+    alone cannot be compared: the tiny bf16 model's float32 logits come from bf16 products and
+    tie exactly at some steps, where the two builds' different fusions may pick either."""
+    import torch
+
     from qrt import runtime
     from qrt.kernels.onednn_cpu import is_prepacked
+    from tp_worker import teacher_forced_logits
 
     frozen = runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128, build="frozen")
     assert not any(is_prepacked(m.weight) for m in frozen.model.modules() if hasattr(m, "quant_method"))
     prompt = [5, 6, 7, 8]
-    assert decode_without_recompiles(bf16_regional, prompt, 12) == decode_without_recompiles(frozen, prompt, 12)
+    ids = prompt + decode_without_recompiles(frozen, prompt, 12)
+    decode_without_recompiles(bf16_regional, prompt, 12)
+    expected = teacher_forced_logits(frozen, ids, len(prompt))  # [13, V]
+    regional = teacher_forced_logits(bf16_regional, ids, len(prompt))
+    torch.testing.assert_close(regional, expected, rtol=0, atol=2e-2)
+    top2 = expected.topk(2, dim=-1).values
+    decided = top2[:, 0] - top2[:, 1] > 2e-2  # steps whose choice bf16 rounding cannot flip
+    assert decided.sum() >= len(ids) // 2, "too few decided steps for the check to mean anything"
+    assert torch.equal(regional.argmax(-1)[decided], expected.argmax(-1)[decided])
 
 
 @pytest.mark.slow  # autotuning every decode GEMM: about 25 s of the default run's 12 minutes
