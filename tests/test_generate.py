@@ -100,7 +100,7 @@ def test_batched_generation_continues_each_prompt_as_alone(llama_dir, compiled):
     assert rows == [single.generate(p, max_new_tokens=12, stop_at_eos=False) for p in prompts]
     # Other lengths, one prompt more than there are slots (it waits for one): no new graph.
     uneven = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46], [9], [11, 12, 13, 14]]
-    with no_recompiles():
+    with no_recompiles(batched):
         rows = batched.generate_batch(uneven, max_new_tokens=9, stop_at_eos=False)
     assert rows == [single.generate(p, max_new_tokens=9, stop_at_eos=False) for p in uneven]
     with pytest.raises(ValueError, match="non-empty list of token-id lists"):

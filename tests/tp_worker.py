@@ -52,7 +52,7 @@ def run(job: dict) -> dict:
         forced = teacher_forced_logits(model, forced["ids"], forced["prefill"])
     tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
     if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
-        with torch.compiler.set_stance("fail_on_recompile"):
+        with model.guarded(), torch.compiler.set_stance("fail_on_recompile"):
             again = model.generate(job.get("again_prompt", job["prompt"][:-1]), max_new_tokens=job["steps"],
                                    stop_at_eos=False)
     else:

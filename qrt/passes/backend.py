@@ -31,12 +31,21 @@ class QrtBackend:
     def __init__(self, label: str, inductor: bool = True, freeze: bool = False, autotune: bool = False,
                  device: str | None = None):
         self.log = CompileLog(label)
+        # The newest compiled graph and the inputs Dynamo compiled it for (weights, caches, and
+        # that call's own tensors and sizes), for callers that call it without Dynamo
+        # (qrt/runtime/direct_graph.py).
+        self.last_compiled: tuple | None = None
         self.inductor = inductor
         self.device = device  # whose pass list runs; None: the device of the graph's inputs
         # Freezing turns weights into constants, which lets Inductor prepack them for oneDNN on
         # the CPU: decode of the default model went from 1.56 s to 31 ms per token with it.
         self.freeze = freeze
-        self.config_patches = {"freezing": True} if freeze else {}
+        # Dynamo's guards check every graph input's sizes and strides before the graph runs, so the
+        # wrapper's own size asserts only re-check them; there were about 28 per decoder layer on
+        # each decode step, every one a call from the Python wrapper (docs/cpu-kernels.md).
+        self.config_patches = {"size_asserts": False}
+        if freeze:
+            self.config_patches["freezing"] = True
         if autotune:
             # Inductor times its C++ GEMM templates against ATen for each matmul shape and keeps
             # the fastest; on the CPU's one-token decode graph that measured +30% (bf16) and +35%
@@ -61,7 +70,9 @@ class QrtBackend:
             # Inductor's autotuner calls the deprecated Tensor.storage() once per GEMM it times;
             # the warning is about torch's own code, and a user can do nothing about it.
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-            return compile_fx(gm, example_inputs)
+            compiled = compile_fx(gm, example_inputs)
+        self.last_compiled = (compiled, tuple(example_inputs))
+        return compiled
 
 
 def _int4_matmul_as_aten_call(enabled: bool):

@@ -310,7 +310,7 @@ def _dump(args) -> int:
 def _check_no_recompiles(model, steps: int) -> str:
     """Run `steps` decode steps with recompiles forbidden; say what happened."""
     try:
-        with torch.compiler.set_stance("fail_on_recompile"):
+        with model.guarded(), torch.compiler.set_stance("fail_on_recompile"):
             model.generate([1, 2, 3], max_new_tokens=steps, stop_at_eos=False)
     except Exception as err:  # the stance raises a plain RuntimeError naming the guard that failed
         return f"FAILED: decode recompiled within {steps} steps: {err}"

@@ -22,6 +22,7 @@ from qrt.passes.backend import QrtBackend
 
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
                             use_qrt_inductor_dir)
+from .direct_graph import DirectGraph
 from .distributed import rank_device, tensor_parallel
 from .engine import Engine, Request
 from .malloc import map_large_allocations
@@ -175,7 +176,12 @@ class CompiledModel:
         # so the flag must be on around every call that may trace, not only inside the backend.
         self._trace_config = {"freezing": True} if freeze and compile else {}
         self.compile_seconds: dict[str, float] = {}
+        # The decode graph called without Dynamo once it is compiled (direct_graph.py); None until
+        # then, or where its inputs cannot be told apart. `guarded()` turns it off for a while.
+        self.direct_decode: DirectGraph | None = None
+        self._guarded = False
         fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
+        self._compiled = compile
         if compile:
             number = next(_model_numbers)
             self._fns = {
@@ -296,7 +302,35 @@ class CompiledModel:
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
         """One token per cache slot: tokens, positions [slots]; attention over the first
         `attended` cache entries (the furthest row's position + 1). float32 logits [slots, V]."""
-        return self._run("decode", *self._decode_inputs(tokens, positions, attended))[:, 0]
+        if self.direct_decode is not None and not self._guarded:
+            keys = max(attended, 2)
+            step = {"input_ids": tokens.to(self.device).view(-1, 1), "positions": positions.to(self.device).view(-1, 1),
+                    "keys": torch.arange(keys, dtype=torch.long, device=self.device)}  # as _decode_inputs makes them
+            return self.direct_decode(step, keys)[0][:, 0]
+        inputs = self._decode_inputs(tokens, positions, attended)
+        graphs_before = len(self.backends["decode"].log.graphs)
+        logits = self._run("decode", *inputs)
+        if self._compiled and len(self.backends["decode"].log.graphs) > graphs_before:
+            self._capture_direct_decode(inputs)
+        return logits[:, 0]
+
+    def _capture_direct_decode(self, inputs: tuple) -> None:
+        """After a call that compiled the decode graph: keep it, to be called without Dynamo."""
+        state = [*self.model.parameters(), *self.model.buffers()]
+        self.direct_decode = DirectGraph.capture(
+            self.backends["decode"].last_compiled, dict(zip(("input_ids", "positions", "keys"), inputs)), state,
+            dynamic=("keys", 0), size_range=(2, self.max_seq_len - 1))
+
+    @contextlib.contextmanager
+    def guarded(self):
+        """Decode through Dynamo and its guards inside this block, as every step did before the
+        direct call: a step that would need another graph then compiles one, or raises under
+        `torch.compiler.set_stance("fail_on_recompile")`, which is how the recompile checks run."""
+        previous, self._guarded = self._guarded, True
+        try:
+            yield self
+        finally:
+            self._guarded = previous
 
     def graph_inputs(self, role: str) -> tuple:
         """Arguments of the model's forward as the prefill (a 6-token prompt) or decode (slot 0

@@ -487,28 +487,20 @@ void dequantize_int4pack_bf16(const uint8_t* src, int64_t k, int64_t n, int64_t 
 }
 
 // One activation row against ATen's CPU int4 pack, at the memory's speed: the codes of two
-// adjacent columns k, k + 1 are paired byte by byte, looked up as bf16 (q - 8) and multiplied with
-// the bf16 pair (x[k], x[k + 1]) by vdpbf16ps, 64 output rows at a time. The products are exact and
-// summed in fp32; per group, out += scale * sum + offset * sum(x), as ATen's kernel computes
-// W = (q - 8) * scale + offset. The accumulators hold the rows of a block permuted (see kInt4Rows).
+// adjacent columns k, k + 1 are paired byte by byte, each code q widened to the 16 bits 0x43 q,
+// which is bf16 (128 + q), exactly (128 .. 143 needs 8 significant bits), and multiplied with the
+// bf16 pair (x[k], x[k + 1]) by vdpbf16ps, 64 output rows at a time. The products are exact and
+// summed in fp32. ATen's kernel computes W = (q - 8) * scale + offset, so per group
+// out += scale * (sum - 136 * sum(x)) + offset * sum(x). Widening by an interleave with a constant
+// byte costs one instruction per 32 codes, where looking up both bytes of bf16(q - 8) took two.
+// The accumulators hold the rows of a block permuted (see kInt4Rows).
 struct Int4Tables {
-  __m512i hi, lo;     // high and low byte of bf16(q - 8) for q in 0..15, in every 128-bit lane
   __m512i rows[4];    // accumulator a, lane p -> row of the 64-row block (0..63), mod 32
 };
 
 const Int4Tables& int4_tables() {
   static const Int4Tables tables = [] {
     Int4Tables t;
-    alignas(64) uint8_t hi[64], lo[64];
-    for (int i = 0; i < 64; ++i) {
-      float value = static_cast<float>(i % 16 - 8);
-      uint32_t bits;
-      std::memcpy(&bits, &value, sizeof(bits));
-      hi[i] = static_cast<uint8_t>(bits >> 24);
-      lo[i] = static_cast<uint8_t>(bits >> 16);
-    }
-    t.hi = _mm512_load_si512(hi);
-    t.lo = _mm512_load_si512(lo);
     // Pairs of a k-pair's 64 bytes come in the order of d 0-7, 16-23, 8-15, 24-31 per 128-bit lane
     // (unpacklo/hi of the two columns, then joined); unpack to words takes 4 of a lane's 8 pairs.
     const int base[4] = {0, 16, 8, 24};
@@ -550,7 +542,7 @@ at::Tensor int4pack_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t 
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int4Tables& t = int4_tables();
   at::parallel_for(0, n / 64, 1, [&](int64_t b_begin, int64_t b_end) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(0x43);
     for (int64_t b = b_begin; b < b_end; ++b) {
       const uint8_t* block = src + b * k * 32;  // [K, 32] bytes of rows 64 b .. 64 b + 63
       __m512 total[4];
@@ -569,17 +561,16 @@ at::Tensor int4pack_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t 
           const __m512i high = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), nibble);  // rows d + 32
           const __m512i xx = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + kk));  // (x[k], x[k+1])
           const __m512i codes[2] = {low, high};
-          for (int h = 0; h < 2; ++h) {
-            const __m512i hi = _mm512_shuffle_epi8(t.hi, codes[h]), lo = _mm512_shuffle_epi8(t.lo, codes[h]);
-            acc[2 * h] = _mm512_dpbf16_ps(acc[2 * h], (__m512bh)_mm512_unpacklo_epi8(lo, hi), (__m512bh)xx);
-            acc[2 * h + 1] = _mm512_dpbf16_ps(acc[2 * h + 1], (__m512bh)_mm512_unpackhi_epi8(lo, hi), (__m512bh)xx);
+          for (int h = 0; h < 2; ++h) {  // words 0x43 q: bf16 (128 + q)
+            acc[2 * h] = _mm512_dpbf16_ps(acc[2 * h], (__m512bh)_mm512_unpacklo_epi8(codes[h], bias), (__m512bh)xx);
+            acc[2 * h + 1] = _mm512_dpbf16_ps(acc[2 * h + 1], (__m512bh)_mm512_unpackhi_epi8(codes[h], bias), (__m512bh)xx);
           }
         }
-        const __m512 sum_x = _mm512_set1_ps(xs[g]);
+        const __m512 sum_x = _mm512_set1_ps(xs[g]), widened_x = _mm512_set1_ps(136.0f * xs[g]);
         for (int a = 0; a < 4; ++a) {
           __m512 scale, offset;  // rows 64 b + 32 (a / 2) + t.rows[a]
           int4_group_scales(so + (g * n + b * 64 + 32 * (a / 2)) * 2, t.rows[a], scale, offset);
-          total[a] = _mm512_fmadd_ps(scale, acc[a], _mm512_fmadd_ps(offset, sum_x, total[a]));
+          total[a] = _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[a], widened_x), _mm512_fmadd_ps(offset, sum_x, total[a]));
         }
       }
       alignas(64) float values[4][16];

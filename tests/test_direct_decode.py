@@ -1,0 +1,58 @@
+"""The decode step without Dynamo (qrt/runtime/direct_graph.py): the same logits as the step
+through Dynamo and its guards, and qrt's own refusal where the guards would have needed another
+graph."""
+
+import pytest
+import torch
+
+from graph_checks import no_recompiles
+
+
+class CountingCalls:
+    """Stands in for a compiled function and counts the calls that reach it."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+def _greedy_logits(model, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """Each decode step's logits [V] after prefilling `prompt` into slot 0, fed greedily."""
+    logits = model._prefill(torch.tensor([prompt]))  # [1, 1, V]
+    out = []
+    for step in range(steps):
+        logits = model._decode(logits[:, -1].argmax(-1).view(1, 1), len(prompt) + step)
+        out.append(logits[0, 0].clone())
+    return out
+
+
+def test_decode_skips_dynamo_and_gives_the_guarded_steps_logits(compiled, llama_dir):
+    model = compiled(llama_dir)
+    assert model.direct_decode is not None, "the warmed-up decode graph was not captured"
+    counting = CountingCalls(model._fns["decode"])
+    model._fns["decode"] = counting
+    try:
+        direct = _greedy_logits(model, list(range(30, 41)), 12)
+        assert counting.calls == 0
+        with no_recompiles(model):
+            guarded = _greedy_logits(model, list(range(30, 41)), 12)
+        assert counting.calls == 12
+    finally:
+        model._fns["decode"] = counting.fn
+    for step, (a, b) in enumerate(zip(direct, guarded)):
+        assert torch.equal(a, b), f"step {step}: direct and guarded logits differ by {(a - b).abs().max()}"
+
+
+def test_direct_decode_refuses_what_the_graph_was_not_compiled_for(compiled, llama_dir):
+    model = compiled(llama_dir)
+    tokens, positions = model._slot0_step(5, 3)
+    with pytest.raises(ValueError, match=r"attended length 128 is outside the range \[2, 127\]"):
+        model.decode_step(tokens, positions, model.max_seq_len)
+    with pytest.raises(ValueError, match=r"input 'input_ids' is torch.int32 \[1, 1\].*compiled for torch.int64"):
+        model.decode_step(tokens.int(), positions, 4)
+    # Through Dynamo the same int32 step would have needed a graph of its own.
+    with pytest.raises(RuntimeError, match="fail_on_recompile|Detected recompile"), no_recompiles(model):
+        model.decode_step(tokens.int(), positions, 4)
