@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from format_cases import CASES, registry_ids
+from graph_checks import no_recompiles
 from safetensors import safe_open
 from tiny_checkpoints import edited_copy, relative_l2
 
@@ -83,7 +84,7 @@ def test_compiled_equals_eager_in_one_graph_per_role_with_the_cpu_kernels(name, 
         error = relative_l2(model(_ids()), eager(_ids()))
     assert error < TOLERANCE.get(name, 1e-4), error
     model.generate([3, 4, 5], max_new_tokens=2, stop_at_eos=False)
-    with model.guarded(), torch.compiler.set_stance("fail_on_recompile"):
+    with no_recompiles(model):
         model.generate(list(range(20, 31)), max_new_tokens=DECODE_STEPS, stop_at_eos=False)
     assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 1}
     layers = model.model.config.num_layers

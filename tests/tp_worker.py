@@ -22,6 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from graph_checks import no_recompiles  # beside this script, which torchrun runs from tests/
 
 from qrt import runtime
 from qrt.loaders.errors import UnsupportedError
@@ -52,7 +53,7 @@ def run(job: dict) -> dict:
         forced = teacher_forced_logits(model, forced["ids"], forced["prefill"])
     tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
     if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
-        with model.guarded(), torch.compiler.set_stance("fail_on_recompile"):
+        with no_recompiles(model):
             again = model.generate(job.get("again_prompt", job["prompt"][:-1]), max_new_tokens=job["steps"],
                                    stop_at_eos=False)
     else:

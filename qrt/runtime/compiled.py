@@ -132,6 +132,9 @@ def _decode(model, input_ids, positions, keys):
     return model(input_ids, positions, keys)
 
 
+_DECODE_INPUTS = ("input_ids", "positions", "keys")  # _decode's tensors, by name
+
+
 def _forward(model, input_ids):
     return model(input_ids)
 
@@ -181,7 +184,6 @@ class CompiledModel:
         self.direct_decode: DirectGraph | None = None
         self._guarded = False
         fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
-        self._compiled = compile
         if compile:
             number = next(_model_numbers)
             self._fns = {
@@ -303,14 +305,12 @@ class CompiledModel:
         """One token per cache slot: tokens, positions [slots]; attention over the first
         `attended` cache entries (the furthest row's position + 1). float32 logits [slots, V]."""
         if self.direct_decode is not None and not self._guarded:
-            keys = max(attended, 2)
-            step = {"input_ids": tokens.to(self.device).view(-1, 1), "positions": positions.to(self.device).view(-1, 1),
-                    "keys": torch.arange(keys, dtype=torch.long, device=self.device)}  # as _decode_inputs makes them
-            return self.direct_decode(step, keys)[0][:, 0]
+            inputs = self._decode_tensors(tokens, positions, attended)
+            return self.direct_decode(dict(zip(_DECODE_INPUTS, inputs)), len(inputs[2]))[0][:, 0]
         inputs = self._decode_inputs(tokens, positions, attended)
         graphs_before = len(self.backends["decode"].log.graphs)
         logits = self._run("decode", *inputs)
-        if self._compiled and len(self.backends["decode"].log.graphs) > graphs_before:
+        if len(self.backends["decode"].log.graphs) > graphs_before:  # this call compiled it
             self._capture_direct_decode(inputs)
         return logits[:, 0]
 
@@ -318,7 +318,7 @@ class CompiledModel:
         """After a call that compiled the decode graph: keep it, to be called without Dynamo."""
         state = [*self.model.parameters(), *self.model.buffers()]
         self.direct_decode = DirectGraph.capture(
-            self.backends["decode"].last_compiled, dict(zip(("input_ids", "positions", "keys"), inputs)), state,
+            self.backends["decode"].last_compiled, dict(zip(_DECODE_INPUTS, inputs)), state,
             dynamic=("keys", 0), size_range=(2, self.max_seq_len - 1))
 
     @contextlib.contextmanager
@@ -362,12 +362,18 @@ class CompiledModel:
         index = torch.tensor([logits_at], dtype=torch.long, device=self.device)  # [1]
         return ids, positions, keys, slots, index
 
-    def _decode_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+    def _decode_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+        """The decode graph's inputs (_DECODE_INPUTS): ids, positions [slots, 1] and keys [S']."""
+        # At least 2 keys, because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
         keys = torch.arange(max(attended, 2), dtype=torch.long, device=self.device)  # [S']
-        # The attended length grows every step: a dynamic dim keeps it one graph. At least 2,
-        # because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
-        torch._dynamo.mark_dynamic(keys, 0, min=2, max=self.max_seq_len - 1)
-        return tokens.to(self.device).view(-1, 1), positions.to(self.device).view(-1, 1), keys  # [slots, 1] each
+        return tokens.to(self.device).view(-1, 1), positions.to(self.device).view(-1, 1), keys
+
+    def _decode_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+        """_decode_tensors, for a call through Dynamo: the attended length grows every step, and a
+        dynamic dim keeps it one graph."""
+        inputs = self._decode_tensors(tokens, positions, attended)
+        torch._dynamo.mark_dynamic(inputs[2], 0, min=2, max=self.max_seq_len - 1)
+        return inputs
 
     def idle_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions [slots] of a decode step with every slot idle, for the caller to fill
