@@ -2,8 +2,8 @@
 
 Every call of a `torch.compile`d function goes through Dynamo first: its cache lookup evaluates a
 guard on each of a few hundred weight and cache tensors, its bytecode gathers them from the
-module tree again, and only then does the compiled graph run. On a one-token decode step of the
-default model that was about 1.9 ms of a 10 ms int4 step (docs/cpu-kernels.md). qrt builds every
+module tree again, and only then does the compiled graph run. On a one-token int4 decode step of
+the default model that was 1.3 ms of 7.1 (`bench/profile_decode.py`, docs/cpu-kernels.md). qrt builds every
 input of its decode graph itself, so it can hold the guarantees the guards gave instead:
 
 - the weights and caches are the tensors Dynamo compiled the graph for: they are held here, and
