@@ -5,8 +5,10 @@
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632) and each
 M, the median µs of a number of calls, each on another copy of the weights from a ring of 512 MiB,
 so that every call reads its weight from memory as a decode step does, of:
-- bf16: oneDNN's linear on a prepacked bf16 weight, qrt's bf16 kernel (and the GEMM that the
-  widened-fp8 kernels run);
+- bf16: oneDNN's linear on a prepacked bf16 weight (qrt's bf16 kernel without its own library,
+  and the GEMM that the widened-fp8 kernels run);
+- bf16 pairs: `qrt_cpu::bf16_linear`, qrt's kernel on the weight packed in pairs (what bf16 runs
+  with qrt's library);
 - fp8 GEMV / fp8 deq: `qrt_cpu::fp8_linear` with per-channel scales (activations quantized per
   token inside, as the model runs it), forced to its GEMV route or to its dequantize + bf16 GEMM
   route;
@@ -31,7 +33,8 @@ import torch  # noqa: E402
 
 from qrt.kernels import native_cpu  # noqa: E402
 
-SHAPES = ((576, 576), (3072, 576), (576, 1536), (2048, 2048), (11264, 2048), (2048, 5632))  # [N, K]
+SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 2048), (11264, 2048),
+          (2048, 5632))  # [N, K]
 RING_BYTES = 512 * 2**20
 GROUP = 64
 ALWAYS, NEVER = 0, 2**62  # min_rows_dequantized forcing one route
@@ -69,7 +72,7 @@ def main() -> int:
     if not native_cpu.available():
         raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
     rows = [int(v) for v in args.m.split(",")]
-    names = ["bf16", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 GEMV",
+    names = ["bf16", "bf16 pairs", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 GEMV",
              "int8 deq"]
     print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
     print("| [N, K] | M | " + " | ".join(names) + " |")
@@ -79,6 +82,7 @@ def main() -> int:
         w = torch.randn(n, k, generator=gen) * 0.02
         w_bf16 = w.to(torch.bfloat16)
         packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(w_bf16, None)
+        pairs_bf16 = torch.ops.qrt_cpu.pack_bf16_pairs(w_bf16)
         w_scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # [N, 1]
         w_fp8 = (w / w_scale).to(torch.float8_e4m3fn)
         q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
@@ -88,12 +92,15 @@ def main() -> int:
         s8 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            bf16_expected = x.float() @ w_bf16.float().t()
             fp8_expected = x.float() @ (w_fp8.float() * w_scale).t()
             int4_expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, GROUP, so).float()
             int8_expected = torch.ops.aten._weight_int8pack_mm(x, w8, s8).float()
             options = {
                 "bf16": (lambda w_: torch.ops.mkldnn._linear_pointwise(x, w_, None, "none", [], ""),
                          lambda: (torch.ops.mkldnn._reorder_linear_weight(w_bf16, None),), 2 * n * k, None),
+                "bf16 pairs": (lambda w_: torch.ops.qrt_cpu.bf16_linear(x, w_, None),
+                               lambda: (pairs_bf16.clone(),), 2 * n * k, bf16_expected),
                 "fp8 GEMV": (lambda w_: torch.ops.qrt_cpu.fp8_linear(x, w_, w_scale, None, 1, k, None, NEVER),
                              lambda: (w_fp8.clone(),), n * k, fp8_expected),
                 "fp8 deq": (lambda w_: torch.ops.qrt_cpu.fp8_linear(x, w_, w_scale, None, 1, k, None, ALWAYS),
@@ -124,7 +131,7 @@ def main() -> int:
             cells = [f"{figures[name]:.0f} [{figures['bf16'] / figures[name]:.2f}]" if name in figures else "—"
                      for name in names]
             print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
-        del packed_bf16
+        del packed_bf16, pairs_bf16
     return 0
 
 

@@ -22,15 +22,28 @@ def bf16_regional(llama_dir):
     return runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128)
 
 
+def _expected_dense_kernel(output_size: int) -> str:
+    """qrt's kernel on weights packed in pairs where its library is built and N is whole blocks of 64
+    outputs; oneDNN's prepacked linear otherwise."""
+    from qrt.kernels import native_cpu
+
+    return "qrt_cpu.bf16_linear" if native_cpu.available() and output_size % 64 == 0 else "qrt.onednn_linear"
+
+
 def test_regional_build_prepacks_dense_weights(llama_dir, bf16_regional):
     from qrt import runtime
+    from qrt.kernels.bf16_native_cpu import is_pair_packed
     from qrt.kernels.onednn_cpu import is_prepacked
 
     linears = [m for m in bf16_regional.model.modules() if hasattr(m, "quant_method")]
     assert len(linears) == LINEARS_PER_LAYER * TINY_LAYERS + 1
-    assert all(is_prepacked(m.weight) for m in linears)
+    expected = [_expected_dense_kernel(m.output_size) for m in linears]
+    # The tiny model has both: its layers' N are multiples of 64, its lm_head's (300) is not.
+    assert [m.weight.kernel for m in linears] == expected
+    assert all(is_pair_packed(m.weight) if kernel == "qrt_cpu.bf16_linear" else is_prepacked(m.weight)
+               for m, kernel in zip(linears, expected))
     decode, _ = swap_record(bf16_regional.backends["decode"].log)
-    assert [c.kernel for c in decode.kernel_choices] == ["qrt.onednn_linear"] * len(linears)
+    assert sorted(c.kernel for c in decode.kernel_choices) == sorted(expected)
     # Its tokens against the frozen build's: test_regional_build_matches_the_frozen_build (slow).
     # Against eager bf16 they part after a few tokens: the tiny model's top logits nearly tie, and
     # the two round differently.

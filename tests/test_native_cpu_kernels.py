@@ -2,13 +2,14 @@
 inputs, by both of their routes (the GEMV and the dequantize + dense GEMM): `qrt_cpu::fp8_linear`
 and the three fp8 kernel ops against their logical reference ops, its activation quantization
 against torch's exactly, the int4/int8 pack kernels' dequantized route against the exact sum (the
-middle route is ATen's, tested in test_int_kernels.py), and the int4 GEMV of one row."""
+middle route is ATen's, tested in test_int_kernels.py), the int4 GEMV of one row, and the dense
+bf16 kernel on its weight packed in pairs (csrc/dense_bf16_cpu.cpp)."""
 
 import pytest
 import torch
 
 from kernel_checks import SUM_RTOL, assert_within
-from qrt.kernels import fp8_native_cpu, int_cpu, native_cpu
+from qrt.kernels import bf16_native_cpu, fp8_native_cpu, int_cpu, native_cpu
 from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8
 from qrt.kernels.fp8_reference import fp8_linear_reference, quantize_rows_fp8
 from qrt.kernels.fp8_static_reference import fp8_static_linear_reference, quantize_static_fp8
@@ -192,6 +193,55 @@ def test_int8_pack_gemv_and_dequantized_routes_match_the_exact_sum(m, n, k):
     assert_within(got, expected, 2.0**-7 * (x.double().abs() @ exact.abs().t()))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 576), (3, 192, 98), (4, 128, 2), (5, 64, 130), (9, 320, 64),
+                                   (130, 128, 200)])
+def test_bf16_pairs_linear_matches_the_exact_sum(m, n, k, bias):
+    """M across the kernel's tiles of 4 rows (and a ragged last tile), K from one pair up."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    expected = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    got = torch.ops.qrt_cpu.bf16_linear(x, bf16_native_cpu.pack_weight(weight), b)
+    # Exact products summed in fp32 (K * 2**-24 of the terms), one rounding to bf16 (2**-9).
+    terms = x.double().abs() @ weight.double().abs().t() + (b.double().abs() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_within(got, expected, 2.0**-8 * terms)
+
+
+def test_bf16_pairs_layout_holds_each_weight_where_the_kernel_reads_it():
+    """Element (b, j, d, t) of the packed weight is W[64 b + d, 2 j + t]."""
+    n, k = 128, 10
+    weight = (torch.arange(n * k) % 256).to(torch.bfloat16).reshape(n, k)  # exact in bf16; distinct in any 256
+    packed = bf16_native_cpu.pack_weight(weight)
+    assert packed.shape == (n // 64, k // 2, 64, 2)
+    b, j, d, t = torch.meshgrid(*(torch.arange(size) for size in packed.shape), indexing="ij")
+    assert torch.equal(packed, weight[64 * b + d, 2 * j + t])
+
+
+def test_bf16_pairs_linear_rows_do_not_depend_on_their_batch():
+    """Each output is summed in one fixed order, whatever the number of rows beside it."""
+    gen = torch.Generator().manual_seed(3)
+    packed = bf16_native_cpu.pack_weight((torch.randn(192, 576, generator=gen) * 0.05).to(torch.bfloat16))
+    x = torch.randn(11, 576, generator=gen).to(torch.bfloat16)
+    together = torch.ops.qrt_cpu.bf16_linear(x, packed, None)
+    for row in (0, 4, 10):
+        assert torch.equal(torch.ops.qrt_cpu.bf16_linear(x[row:row + 1], packed, None), together[row:row + 1])
+
+
+def test_bf16_pairs_names_what_it_expected():
+    with pytest.raises(RuntimeError, match=r"N a multiple of 64 and K even"):
+        bf16_native_cpu.pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    packed = bf16_native_cpu.pack_weight(torch.ones(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"bf16 x \[M, 64\] expected"):
+        torch.ops.qrt_cpu.bf16_linear(torch.ones(2, 32, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match=r"packed as \[N / 64, K / 2, 64, 2\]"):
+        torch.ops.qrt_cpu.bf16_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed.float(), None)
+    assert not bf16_native_cpu.packable(torch.ones(100, 64, dtype=torch.bfloat16))
+    assert not bf16_native_cpu.packable(torch.ones(64, 64))  # fp32: oneDNN or ATen run it
+
+
 def test_unavailable_kernels_step_aside(monkeypatch):
     """QRT_NATIVE_CPU=0: the declarations refuse, so the loader pass chooses the kernels before them."""
     from qrt.kernels.choices import choose
@@ -200,3 +250,4 @@ def test_unavailable_kernels_step_aside(monkeypatch):
     monkeypatch.setenv("QRT_NATIVE_CPU", "0")
     assert choose("qrt.fp8_linear", "cpu").op == "qrt.fp8_linear_cpu"
     assert choose("qrt.fp8_block_linear", "cpu").op == "qrt.fp8_block_linear_cpu"
+    assert not bf16_native_cpu.packable(torch.ones(64, 64, dtype=torch.bfloat16))

@@ -1,5 +1,6 @@
 """qrt's own CPU kernels (the C++ sources in csrc/: quantized_cpu.cpp, the quantized GEMVs and
-GEMMs; decode_attention_cpu.cpp, attention of one new token per row over the KV cache): built
+GEMMs; dense_bf16_cpu.cpp, the bf16 GEMV on a weight packed in pairs; decode_attention_cpu.cpp,
+attention of one new token per row over the KV cache): built
 together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
 They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
@@ -137,6 +138,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("qrt_cpu::int8pack_mm")
     def _(x, weight, scales, min_rows_dequantized):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("qrt_cpu::bf16_linear")
+    def _(x, packed, bias):
+        return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
 
     @torch.library.register_fake("qrt_cpu::decode_attention")
     def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale):

@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .bf16_native_cpu import bf16_pairs_linear, is_pair_packed
 from .choices import Kernel, declare
 
 # carrier storage address -> oneDNN-packed weight [N, K]; an entry lives as long as its carrier
@@ -85,7 +86,10 @@ def _(x, carrier, bias):
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x Wᵀ (+ b) for a dense weight [N, K] or a prepacked carrier of one."""
+    """x Wᵀ (+ b) for a dense weight [N, K], a prepacked carrier of one, or one packed in pairs for
+    qrt's bf16 kernel (bf16_native_cpu.py)."""
+    if is_pair_packed(weight):
+        return bf16_pairs_linear(x, weight, bias)
     if is_prepacked(weight):
         return torch.ops.qrt.onednn_linear(x, weight, bias)
     if bias is None:

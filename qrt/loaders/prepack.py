@@ -1,11 +1,15 @@
-"""Loader step after the loader pass: prepack the dense CPU GEMM weights for oneDNN.
+"""Loader step after the loader pass: pack the dense CPU GEMM weights for the kernel that runs them.
 
-Only for compiled CPU models (see kernels/onednn_cpu.py for why the packing happens here and not
-in Inductor); eager models keep their dense weights so that eager mode stays the plain-ATen oracle.
+A dense bf16 layer's weight is packed in pairs for qrt's own kernel where its library is built
+(kernels/bf16_native_cpu.py: faster than oneDNN at every batch size measured, and called without
+Python); every other prepackable weight is prepacked for oneDNN. Only for compiled CPU models (see
+kernels/onednn_cpu.py for why the packing happens here and not in Inductor); eager models keep
+their dense weights so that eager mode stays the plain-ATen oracle.
 """
 
 from torch import nn
 
+from qrt.kernels import bf16_native_cpu
 from qrt.kernels.choices import kernel_named
 from qrt.kernels.onednn_cpu import onednn_prepack_supported, prepack_stacked_weights, prepack_weight
 
@@ -14,7 +18,8 @@ from .linear import replace_parameter
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:
-    """Replace every prepackable 2-D weight by a oneDNN carrier; returns how many were packed.
+    """Replace every prepackable 2-D weight by its packed form (qrt's pairs or a oneDNN carrier);
+    returns how many were packed.
 
     A tied lm_head gets a packed copy of its own, while the embedding lookup keeps the rows."""
     packed = 0
@@ -28,6 +33,11 @@ def prepack_cpu_weights(model: nn.Module) -> int:
                 or not onednn_prepack_supported(weight.dtype)):
             continue
         layout = getattr(weight, "storage_layout", f"{weight.dtype} [N, K]".replace("torch.", ""))
+        if weight.kernel == "aten.linear" and bf16_native_cpu.packable(weight):
+            replace_parameter(module, "weight", bf16_native_cpu.pack_weight(weight.data), kernel="qrt_cpu.bf16_linear",
+                              storage_layout=f"{layout}, packed in pairs [N / 64, K / 2, 64, 2] (qrt_cpu.bf16_linear)")
+            packed += 1
+            continue
         # A dense layer's GEMM becomes the opaque op itself; a quantized kernel keeps its own op and
         # reaches the packed weight through dense_linear.
         kernel = "qrt.onednn_linear" if weight.kernel == "aten.linear" else weight.kernel
