@@ -7,7 +7,7 @@ the outputs lie across the lanes and nothing is summed horizontally. The weight 
 (the same count as stored), so it replaces oneDNN's prepacked copy rather than adding to it.
 
 Against oneDNN's linear on a prepacked weight, the layout it replaces, it measured 1.4-2.0x at
-M = 1 and 0.92-1.13x up to M = 512 on the default model's and the 0.85B Llama's shapes
+M = 1 and 0.84-1.92x from M = 2 to 512 on the default model's and the 0.85B Llama's shapes
 (`bench/cpu_native_options.py`), and it is called from the compiled graph's C++ wrapper with no
 Python in between (oneDNN's carrier goes through a Python custom op, about 28 µs a call).
 

@@ -10,8 +10,8 @@
 //   bf16_linear(x [M, K] bf16, packed [N / 64, K / 2, 64, 2], bias [N]?) -> [M, N] bf16
 //     Each packed block is read from memory once and then by every tile of kRowsPerTile activation
 //     rows (a block of 64 outputs is 128 K bytes, so the later tiles find it in L2). This one loop
-//     is as fast as oneDNN's prepacked GEMM from M = 1 (1.4-2.0x there) to M = 512 (0.96-1.13x),
-//     measured by bench/cpu_native_options.py, so there is no second route. Exact products
+//     keeps up with oneDNN's prepacked GEMM at every M measured (bench/cpu_native_options.py:
+//     1.4-2.0x at M = 1, 0.84-1.92x from M = 2 to 512), so there is no second route. Exact products
 //     summed in fp32 (vdpbf16ps) in a fixed order per output: a row's result does not depend on
 //     the other rows of its batch.
 
