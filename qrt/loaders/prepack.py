@@ -29,14 +29,15 @@ def prepack_cpu_weights(model: nn.Module) -> int:
             packed += _prepack_experts(module)
             continue
         if (getattr(module, "quant_method", None) is None or weight is None or weight.dim() != 2
-                or weight.device.type != "cpu" or not kernel_named(weight.kernel).prepackable
-                or not onednn_prepack_supported(weight.dtype)):
+                or weight.device.type != "cpu" or not kernel_named(weight.kernel).prepackable):
             continue
         layout = getattr(weight, "storage_layout", f"{weight.dtype} [N, K]".replace("torch.", ""))
         if weight.kernel == "aten.linear" and bf16_native_cpu.packable(weight):
             replace_parameter(module, "weight", bf16_native_cpu.pack_weight(weight.data), kernel="qrt_cpu.bf16_linear",
                               storage_layout=f"{layout}, packed in pairs [N / 64, K / 2, 64, 2] (qrt_cpu.bf16_linear)")
             packed += 1
+            continue
+        if not onednn_prepack_supported(weight.dtype):  # qrt's pairs need only qrt's library
             continue
         # A dense layer's GEMM becomes the opaque op itself; a quantized kernel keeps its own op and
         # reaches the packed weight through dense_linear.
