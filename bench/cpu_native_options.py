@@ -16,7 +16,9 @@ so that every call reads its weight from memory as a decode step does, of:
   `qrt_cpu::int4pack_mm` at M = 1 (its GEMV on the same pack; at M > 1 it calls ATen's kernel, so
   that column is left out) or forced to dequantize + bf16 GEMM;
 - aten int8 / int8 GEMV / int8 deq: the same for `_weight_int8pack_mm`, and `qrt_cpu::int8pack_mm`
-  forced to its GEMV or to its dequantized route.
+  forced to its GEMV or to its dequantized route;
+- int8 pairs: `qrt_cpu::int8_pairs_linear`, qrt's kernel on the same codes packed in pairs (what
+  int8 runs with qrt's library).
 In brackets, each kernel's speed as a multiple of bf16's at the same shape (> 1: faster). Each
 route is checked against a float reference before it is timed. Run on a quiet machine.
 """
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from qrt.kernels import native_cpu  # noqa: E402
+from qrt.kernels import int8_pairs_cpu, native_cpu  # noqa: E402
 
 SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 2048), (11264, 2048),
           (2048, 5632))  # [N, K]
@@ -67,13 +69,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--m", default="1,8,16,32,64,128,512")
+    parser.add_argument("--only", help="comma-separated columns to time (default: all; bf16 always)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_cpu.available():
         raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
     rows = [int(v) for v in args.m.split(",")]
     names = ["bf16", "bf16 pairs", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 GEMV",
-             "int8 deq"]
+             "int8 deq", "int8 pairs"]
     print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
     print("| [N, K] | M | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 2))
@@ -90,6 +93,7 @@ def main() -> int:
         so = (torch.randn(k // GROUP, n, 2, generator=gen) * 0.01).to(torch.bfloat16)
         w8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         s8 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
+        pairs8 = int8_pairs_cpu.pack_weight(w8)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             bf16_expected = x.float() @ w_bf16.float().t()
@@ -117,10 +121,15 @@ def main() -> int:
                               lambda: (w8.clone(),), n * k, int8_expected),
                 "int8 deq": (lambda w_: torch.ops.qrt_cpu.int8pack_mm(x, w_, s8, ALWAYS),
                              lambda: (w8.clone(),), n * k, int8_expected),
+                "int8 pairs": (lambda w_: torch.ops.qrt_cpu.int8_pairs_linear(x, w_, s8, None),
+                               lambda: (pairs8.clone(),), n * k, int8_expected),
             }
+            if args.only:
+                options = {name: option for name, option in options.items()
+                           if name == "bf16" or name in args.only.split(",")}
             calls = 200 if m <= 16 else 40 if m <= 128 else 15
             if m > 1:
-                del options["int4 GEMV"]
+                options.pop("int4 GEMV", None)
             figures = {}
             for name, (fn, make, nbytes, expected) in options.items():
                 operands = ring(make, nbytes)

@@ -13,6 +13,7 @@ from torch import nn
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
 from kernel_checks import random_rows
+from qrt.kernels import int8_pairs_cpu, native_cpu
 from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import int_linear_reference, unpack_rows
 from qrt.loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
@@ -78,14 +79,18 @@ def test_int4_cpu_group_splits_coarse_groups_and_refuses_what_aten_cannot_run():
     assert int4_cpu_group(128, 40, 32) is None  # N must be a multiple of 16
 
 
+@pytest.mark.parametrize("n", [48, 128])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_int8_pack_kernel_matches_reference(asym, dtype):
-    k, n = 192, 48
+def test_cpu_int8_pack_kernel_matches_reference(n, asym, dtype):
+    """N = 128 in bf16 runs qrt's kernel on codes packed in pairs where its library builds; the rest ATen's layout."""
+    k = 192
     layer, _ = random_layer(k, n, 8, -1, asym=asym, seed=3)
     weight, scales, zero_terms = pack_int8_for_cpu(unpack_rows(layer["qweight"], 8, k), layer["scales"], layer["zeros"],
                                                      dtype)
     assert (zero_terms is None) == (not asym)
+    pairs = n % 64 == 0 and dtype == torch.bfloat16 and native_cpu.available()
+    assert int8_pairs_cpu.is_pair_packed(weight) == pairs
     bias = torch.randn(n).to(dtype)
     for m in (1, 5, MIN_ROWS_DEQUANTIZED):
         x = random_rows(m, k, dtype)

@@ -2,14 +2,15 @@
 inputs, by both of their routes (the GEMV and the dequantize + dense GEMM): `qrt_cpu::fp8_linear`
 and the three fp8 kernel ops against their logical reference ops, its activation quantization
 against torch's exactly, the int4/int8 pack kernels' dequantized route against the exact sum (the
-middle route is ATen's, tested in test_int_kernels.py), the int4 GEMV of one row, and the dense
-bf16 kernel on its weight packed in pairs (csrc/dense_bf16_cpu.cpp)."""
+middle route is ATen's, tested in test_int_kernels.py), the int4 GEMV of one row, and the GEMV on
+weights packed in pairs (csrc/pair_gemv.h) with bf16 weights (dense_bf16_cpu.cpp) and int8 codes
+(int8_pairs_cpu.cpp)."""
 
 import pytest
 import torch
 
 from kernel_checks import SUM_RTOL, assert_within
-from qrt.kernels import bf16_native_cpu, fp8_native_cpu, int_cpu, native_cpu
+from qrt.kernels import bf16_native_cpu, fp8_native_cpu, int8_pairs_cpu, int_cpu, native_cpu
 from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8
 from qrt.kernels.fp8_reference import fp8_linear_reference, quantize_rows_fp8
 from qrt.kernels.fp8_static_reference import fp8_static_linear_reference, quantize_static_fp8
@@ -242,6 +243,62 @@ def test_bf16_pairs_names_what_it_expected():
     assert not bf16_native_cpu.packable(torch.ones(64, 64))  # fp32: oneDNN or ATen run it
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 576), (3, 192, 98), (4, 128, 2), (5, 64, 130), (9, 320, 64),
+                                   (130, 128, 200)])
+def test_int8_pairs_linear_matches_the_exact_sum(m, n, k, bias, scale_dtype):
+    """Up to 4 rows the codes are widened in registers, from 5 once per block: both, ragged tiles too."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(scale_dtype)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    exact = codes.double() * scales.double()[:, None]  # [N, K]
+    expected = x.double() @ exact.t() + (b.double() if bias else 0)
+    got = torch.ops.qrt_cpu.int8_pairs_linear(x, int8_pairs_cpu.pack_weight(codes), scales, b)
+    # Exact products summed in fp32, scaled once in fp32, one rounding to bf16 (2**-9).
+    terms = x.double().abs() @ exact.abs().t() + (b.double().abs() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_within(got, expected, 2.0**-8 * terms)
+
+
+def test_int8_pairs_layout_holds_each_code_where_the_kernel_reads_it():
+    """Element (b, j, d, t) of the packed codes is q[64 b + d, 2 j + t]."""
+    n, k = 128, 10
+    codes = ((torch.arange(n * k) % 256) - 128).to(torch.int8).reshape(n, k)
+    packed = int8_pairs_cpu.pack_weight(codes)
+    assert packed.shape == (n // 64, k // 2, 64, 2) and int8_pairs_cpu.is_pair_packed(packed)
+    b, j, d, t = torch.meshgrid(*(torch.arange(size) for size in packed.shape), indexing="ij")
+    assert torch.equal(packed, codes[64 * b + d, 2 * j + t])
+    assert int8_pairs_cpu.output_features(packed) == n and int8_pairs_cpu.output_features(codes) == n
+
+
+def test_int8_pairs_linear_rows_do_not_depend_on_their_batch():
+    """The same fixed order per output whether the block is widened in registers (M <= 4) or once (M > 4)."""
+    gen = torch.Generator().manual_seed(4)
+    packed = int8_pairs_cpu.pack_weight(torch.randint(-128, 128, (192, 576), generator=gen, dtype=torch.int8))
+    scales = (torch.rand(192, generator=gen) * 0.01).to(torch.bfloat16)
+    x = torch.randn(11, 576, generator=gen).to(torch.bfloat16)
+    together = torch.ops.qrt_cpu.int8_pairs_linear(x, packed, scales, None)
+    for row in (0, 4, 10):
+        assert torch.equal(torch.ops.qrt_cpu.int8_pairs_linear(x[row:row + 1], packed, scales, None),
+                           together[row:row + 1])
+
+
+def test_int8_pairs_names_what_it_expected():
+    packed = int8_pairs_cpu.pack_weight(torch.ones(64, 64, dtype=torch.int8))
+    scales = torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"bf16 x \[M, 64\] expected"):
+        torch.ops.qrt_cpu.int8_pairs_linear(torch.ones(2, 32, dtype=torch.bfloat16), packed, scales, None)
+    with pytest.raises(RuntimeError, match=r"packed as \[N / 64, K / 2, 64, 2\]"):
+        torch.ops.qrt_cpu.int8_pairs_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed.float(), scales, None)
+    with pytest.raises(RuntimeError, match=r"bf16 or fp32 scales \[64\] expected"):
+        torch.ops.qrt_cpu.int8_pairs_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed, scales[:32], None)
+    assert not int8_pairs_cpu.packable(torch.ones(100, 64, dtype=torch.int8), torch.bfloat16)
+    assert not int8_pairs_cpu.packable(torch.ones(64, 64, dtype=torch.int8), torch.float32)  # ATen's layout
+
+
 def test_unavailable_kernels_step_aside(monkeypatch):
     """QRT_NATIVE_CPU=0: the declarations refuse, so the loader pass chooses the kernels before them."""
     from qrt.kernels.choices import choose
@@ -251,3 +308,4 @@ def test_unavailable_kernels_step_aside(monkeypatch):
     assert choose("qrt.fp8_linear", "cpu").op == "qrt.fp8_linear_cpu"
     assert choose("qrt.fp8_block_linear", "cpu").op == "qrt.fp8_block_linear_cpu"
     assert not bf16_native_cpu.packable(torch.ones(64, 64, dtype=torch.bfloat16))
+    assert not int8_pairs_cpu.packable(torch.ones(64, 64, dtype=torch.int8), torch.bfloat16)

@@ -8,7 +8,8 @@ the canonical layout (int_reference.py) with the `pack_*` functions below:
   offset per group rather than an integer zero point; (q - z) * s = (q - 8) * s + (8 - z) * s,
   so offset = (8 - z) * s.
 - `qrt::int8pack_linear`: `_weight_int8pack_mm`, signed int8 weights with one scale per output
-  channel and no zero point. An asymmetric channel (zero point z != 128 in unsigned units) becomes
+  channel and no zero point (or qrt's own kernel on the codes packed in pairs, int8_pairs_cpu.py,
+  where it runs). An asymmetric channel (zero point z != 128 in unsigned units) becomes
   (q - 128) * s - (z - 128) * s: the second term times sum(x) is subtracted after the matmul.
 
 Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the matmul call and
@@ -23,7 +24,7 @@ requires it), so they are rounded to the model dtype once, at load time.
 
 import torch
 
-from . import native_cpu
+from . import int8_pairs_cpu, native_cpu
 from .choices import Kernel, declare
 from .int_reference import unpack_rows
 
@@ -62,12 +63,15 @@ def pack_int4_for_cpu(qweight, scales, zeros, group_size: int, k: int, cpu_group
 
 
 def pack_int8_for_cpu(q, scales, zeros, dtype):
-    """Unpacked 8-bit per-channel codes q [K, N] (int32 in [0, 256)) -> (int8 [N, K], scales [N],
+    """Unpacked 8-bit per-channel codes q [K, N] (int32 in [0, 256)) -> (int8 codes, scales [N],
     zero_terms [N] or None), scales and zero terms in `dtype`; zero_terms is None when every zero
-    point is 128."""
+    point is 128. The codes are packed in pairs, [N / 64, K / 2, 64, 2], where qrt's int8 kernel
+    runs them (int8_pairs_cpu.py), else [N, K] for ATen's layout."""
     # q - 128 as int8 is the code's byte with its top bit flipped. Narrowed to bytes before the
     # transposing copy: int32 temporaries of a 49152-row lm_head were the peak of a whole load.
     weight = (q.to(torch.uint8) ^ 0x80).view(torch.int8).t().contiguous()  # [N, K]
+    if int8_pairs_cpu.packable(weight, dtype):
+        weight = int8_pairs_cpu.pack_weight(weight)  # [N / 64, K / 2, 64, 2]
     s, z = scales.float()[0], zeros.float()[0]  # [N] fp32: one group spans K
     zero_terms = None if bool((z == 128).all()) else ((z - 128.0) * s).to(dtype)
     return weight, s.to(dtype), zero_terms
@@ -89,10 +93,15 @@ def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):
 
 
 def int8pack_linear(x, weight, scales, zero_terms, bias):
-    """x: [..., K] in scales' dtype; weight: int8 [N, K]. Returns [..., N]."""
+    """x: [..., K] in scales' dtype; weight: int8 [N, K], or packed in pairs. Returns [..., N]."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    if native_cpu.available():
+    fused_bias = None
+    if int8_pairs_cpu.is_pair_packed(weight):
+        # The bias is added in the kernel unless the zero-point correction comes between.
+        fused_bias = bias if zero_terms is None else None
+        out = torch.ops.qrt_cpu.int8_pairs_linear(x2, weight, scales, fused_bias)  # [M, N]
+    elif native_cpu.available():
         out = torch.ops.qrt_cpu.int8pack_mm(x2, weight, scales, MIN_ROWS_DEQUANTIZED)  # [M, N]
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2, weight, scales)  # [M, N]
@@ -100,9 +109,9 @@ def int8pack_linear(x, weight, scales, zero_terms, bias):
         # Summed in fp32: sum(x) over thousands of channels loses digits in bf16.
         correction = x2.float().sum(dim=-1, keepdim=True) * zero_terms.float()  # [M, N]
         out = (out.float() - correction).to(x.dtype)
-    if bias is not None:
+    if bias is not None and fused_bias is None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*x.shape[:-1], int8_pairs_cpu.output_features(weight))
 
 
 _lib.impl("int4pack_linear", int4pack_linear, "CompositeImplicitAutograd")

@@ -1,7 +1,7 @@
 """qrt's own CPU kernels (the C++ sources in csrc/: quantized_cpu.cpp, the quantized GEMVs and
-GEMMs; dense_bf16_cpu.cpp, the bf16 GEMV on a weight packed in pairs; decode_attention_cpu.cpp,
-attention of one new token per row over the KV cache): built
-together on first use, loaded as `torch.ops.qrt_cpu.*`.
+GEMMs; pair_gemv.h, the GEMV loop on weights packed in pairs, which dense_bf16_cpu.cpp runs on bf16
+weights and int8_pairs_cpu.cpp on int8 codes; decode_attention_cpu.cpp, attention of one new
+token per row over the KV cache): built together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
 They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
 ninja, all of which Inductor's CPU backend wants anyway. Where any is missing, `available()` is
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.h")))  # part of the build's hash
 # AMX is never enabled: its tile instructions fault on some machines that report it.
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi",
           "-mf16c", "-mfma", "-fopenmp")
@@ -107,7 +108,7 @@ def _build_log() -> str | None:
     """Build (or find built) and load the library; None on success, else the build's whole message."""
     from torch.utils import cpp_extension
 
-    sources = [source.read_text() for source in SOURCES]
+    sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
     digest = hashlib.sha256("\n".join((*sources, *CFLAGS, torch.__version__)).encode()).hexdigest()[:12]
     name = f"qrt_quantized_cpu_{digest}"
     if shutil.which("ninja") is None:  # the ninja wheel installs beside this interpreter
@@ -141,6 +142,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("qrt_cpu::bf16_linear")
     def _(x, packed, bias):
+        return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
+
+    @torch.library.register_fake("qrt_cpu::int8_pairs_linear")
+    def _(x, packed, scales, bias):
         return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
 
     @torch.library.register_fake("qrt_cpu::decode_attention")

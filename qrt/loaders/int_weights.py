@@ -9,7 +9,7 @@ declare which weights they accept, kernels/choices.py) and writes that kernel's 
 |--------------------------------|---------------------------------------------|-------------------------------------|
 | `int_linear_triton` (CUDA)     | 2/4/8-bit, contiguous groups                | "packed": int32 words along K + group scales |
 | `int4pack_linear` (CPU)        | 4-bit, groups a multiple of 32, N % 16 == 0 | "int4pack": ATen int4 pack + scale/offset pairs |
-| `int8pack_linear` (CPU)        | 8-bit, one group per channel, K % 16 == 0   | "int8pack": int8 [N, K] + channel scales |
+| `int8pack_linear` (CPU)        | 8-bit, one group per channel, K % 16 == 0   | "int8pack": int8 [N, K] or in pairs + channel scales |
 | `aten.linear` (any)            | anything else                               | "dense": dequantized to the model dtype |
 
 The ATen CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout
@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels import int8_pairs_cpu
 from qrt.kernels.choices import choose
 from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import pack_rows
@@ -127,8 +128,9 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     elif layout == INT8PACK:
         weight, scales, zero_terms = pack_int8_for_cpu(w.q, w.scales, w.zeros, dtype)
         asym = "" if zero_terms is None else ", zero-point correction"
-        layer.weight = make_parameter(weight, quant_format=what, kernel=kernel.op,  # [N, K] int8
-                                      storage_layout=f"int8 [N, K], channel scales{asym}")
+        codes = "int8 pairs [N/64, K/2, 64, 2]" if int8_pairs_cpu.is_pair_packed(weight) else "int8 [N, K]"
+        layer.weight = make_parameter(weight, quant_format=what, kernel=kernel.op,  # [N, K] or pairs, int8
+                                      storage_layout=f"{codes}, channel scales{asym}")
         layer.scales = make_parameter(scales)  # [N] model dtype
         layer.register_parameter("zero_terms", None if zero_terms is None else make_parameter(zero_terms))
     else:
