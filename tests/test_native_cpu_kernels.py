@@ -23,6 +23,13 @@ pytestmark = pytest.mark.skipif(native_cpu.why_not_wanted() is not None, reason=
 def test_the_kernels_build_on_a_cpu_with_their_instructions():
     assert native_cpu.why_unavailable() is None
 
+
+@pytest.fixture(autouse=True)
+def _library_loaded():
+    """Every test calls torch.ops.qrt_cpu.* directly, so the library is loaded first (a failed build
+    fails the test above; here it would leave the ops missing)."""
+    native_cpu.available()
+
 ROUTES = {"gemv": 2**62, "dequantized": 0}  # min_rows_dequantized that forces each route
 # (M, N, K, block_n, block_k): one K-block (per channel) and block grids, whole and ragged, with
 # K below, at and past one 64-wide chunk, M across the GEMV's tiles of 8 rows.
