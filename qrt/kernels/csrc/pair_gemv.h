@@ -1,5 +1,5 @@
 // The GEMV loop shared by qrt's CPU kernels on weights packed in pairs (dense_bf16_cpu.cpp,
-// int8_pairs_cpu.cpp).
+// int8_pairs_cpu.cpp, fp8_pairs_cpu.cpp).
 //
 // The layout: a weight W [N, K] stored as [N / 64, K / 2, 64, 2], element (b, j, d, t) =
 // W[64 b + d, 2 j + t]. One step of the loop reads one (b, j): the pairs (W[n, 2j], W[n, 2j + 1])
@@ -36,14 +36,16 @@ struct Bf16Source {
   }
 };
 
-// How the sums of 16 outputs become bf16 in `out`: times a per-output scale (bf16 or fp32, or
-// none), plus a per-output fp32 bias (or none).
+// How the sums of 16 outputs of row m become bf16 in `out`: times a per-row scale (or none), times
+// a per-output scale (bf16 or fp32, or none), plus a per-output fp32 bias (or none).
 struct Epilogue {
+  const float* row_scales = nullptr;      // [M]
   const uint16_t* bf16_scales = nullptr;  // [N] bf16 bits
   const float* fp32_scales = nullptr;     // [N]
   const float* bias = nullptr;            // [N]
 
-  void store(__m512 sums, int64_t n0, uint16_t* dst) const {
+  void store(__m512 sums, int64_t m, int64_t n0, uint16_t* dst) const {
+    if (row_scales) sums = _mm512_mul_ps(sums, _mm512_set1_ps(row_scales[m]));
     if (bf16_scales) {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16_scales + n0));
       sums = _mm512_mul_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
@@ -81,7 +83,7 @@ void gemv_block(const uint32_t* x_pairs, int64_t half_k, const typename Source::
   for (int r = 0; r < Rows; ++r) {
     for (int d = 0; d < 4; ++d) {
       const int64_t n0 = b * kOutputs + 16 * d;
-      epilogue.store(acc[r][d], n0, out + (m0 + r) * n + n0);
+      epilogue.store(acc[r][d], m0 + r, n0, out + (m0 + r) * n + n0);
     }
   }
 }
