@@ -58,6 +58,15 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
 
 
+def with_int8_lm_head(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its lm_head weight rounded to int8 per output channel (int8_per_token on its
+    rows), as online fp8 stores it; a tied lm_head gets a copy of its own, the embeddings keep the
+    rows as stored. Changed in place."""
+    weight = model.lm_head.weight.detach()
+    model.lm_head.weight = torch.nn.Parameter(int8_per_token(weight).to(weight.dtype))
+    return model
+
+
 class _RoundLinearInputs(TorchFunctionMode):
     """Rounds F.linear's input by its weight's storage (a slice of stacked experts shares it):
     `by_storage` maps a storage to its rounding (None: left as it is), `default` rounds the rest."""

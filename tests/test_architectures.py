@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from activation_quant import DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_rounded_weights
+from activation_quant import (DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_int8_lm_head,
+                             with_rounded_weights)
 from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
                           decode_without_recompiles)
 from kernel_checks import fp8_cpu_kernel
@@ -99,13 +100,14 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     decode_without_recompiles(model, list(range(10, 30)), 16)
     assert_one_graph_per_role(model, forward=False)
     assert_every_linear_runs(model, fp8_cpu_kernel("qrt.fp8_linear"), LINEARS_PER_LAYER * TINY_LAYERS,
-                             swapped_from="qrt.fp8_linear", roles=("prefill", "decode"))
+                             swapped_from="qrt.fp8_linear", roles=("prefill", "decode"), lm_head="qrt.int8pack_linear")
     ids = _ids(4, (1, 40))
     eager = runtime.compile_model(arch.folder, quant="fp8", compile=False, progress=False, max_seq_len=128)
     with torch.no_grad():
         got = model._prefill(ids)[0, -1]
         reference = eager._prefill(ids)[0, -1]
-        rounded = with_rounded_weights(arch.hf, fp8_per_token)  # e4m3 weights per output channel
+        # e4m3 weights per output channel, lm_head int8 per channel
+        rounded = with_int8_lm_head(with_rounded_weights(arch.hf, fp8_per_token))
         with rounded_inputs(rounded, fp8_per_token):
             expected = rounded(ids).logits[0, -1]
     # The swapped kernel computes what the logical op's reference computes (same fp8 codes and

@@ -12,7 +12,8 @@ def test_inspect_shows_format_layers_and_tensors(llama_dir, capsys):
     assert "LlamaForCausalLM" in out and "quantization:  fp8 (online" in out
     assert "model.layers.0.self_attn.q_proj.weight" in out and "F32" in out
     assert "model.layers.1.mlp.gate_up_proj" in out and FP8_KERNEL in out
-    assert "lm_head" in out and "aten.linear" in out
+    (lm_head,) = [line for line in out.splitlines() if line.lstrip().startswith("lm_head ")]  # the layer row
+    assert "int8" in lm_head and "qrt.int8pack_linear" in lm_head  # online fp8: lm_head int8 per channel
 
 
 def test_inspect_of_an_unknown_architecture_names_the_supported_ones(llama_dir, tmp_path, capsys):
