@@ -3,14 +3,14 @@ inputs, by both of their routes (the GEMV and the dequantize + dense GEMM): `qrt
 and the three fp8 kernel ops against their logical reference ops, its activation quantization
 against torch's exactly, the int4/int8 pack kernels' dequantized route against the exact sum (the
 middle route is ATen's, tested in test_int_kernels.py), the int4 GEMV of one row, and the GEMV on
-weights packed in pairs (csrc/pair_gemv.h) with bf16 weights (dense_bf16_cpu.cpp) and int8 codes
-(int8_pairs_cpu.cpp)."""
+weights packed in pairs (csrc/pair_gemv.h) with bf16 weights (dense_bf16_cpu.cpp), int8 codes
+(int8_pairs_cpu.cpp) and e4m3 codes (fp8_pairs_cpu.cpp)."""
 
 import pytest
 import torch
 
 from kernel_checks import SUM_RTOL, assert_within
-from qrt.kernels import bf16_native_cpu, fp8_native_cpu, int8_pairs_cpu, int_cpu, native_cpu
+from qrt.kernels import bf16_native_cpu, fp8_native_cpu, fp8_pairs_cpu, int8_pairs_cpu, int_cpu, native_cpu
 from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8
 from qrt.kernels.fp8_reference import fp8_linear_reference, quantize_rows_fp8
 from qrt.kernels.fp8_static_reference import fp8_static_linear_reference, quantize_static_fp8
@@ -304,6 +304,70 @@ def test_int8_pairs_names_what_it_expected():
         torch.ops.qrt_cpu.int8_pairs_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed, scales[:32], None)
     assert not int8_pairs_cpu.packable(torch.ones(100, 64, dtype=torch.int8), torch.bfloat16)
     assert not int8_pairs_cpu.packable(torch.ones(64, 64, dtype=torch.int8), torch.float32)  # ATen's layout
+
+
+@pytest.mark.parametrize("activations", ["token", "static"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 576), (3, 192, 98), (4, 128, 2), (5, 64, 130), (9, 320, 64),
+                                   (130, 128, 200)])
+def test_fp8_pairs_linear_matches_the_reference(m, n, k, bias, activations):
+    """Against the logical ops' references (activations per token, or a static scale), M across the
+    tiles of 4 rows widened in registers and the blocks widened once from 5 rows."""
+    w, w_scale = _fp8_weights(n, k, 1, k, seed=m + n + k)
+    w_scale = w_scale.view(-1)  # [N]
+    x = _activations(m, k, torch.bfloat16, seed=m)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) if bias else None
+    packed = fp8_pairs_cpu.pack_weight(w)
+    if activations == "token":
+        got = fp8_pairs_cpu.linear(x, packed, w_scale, b)
+        expected = fp8_linear_reference(x, w, w_scale, b)
+        q, x_scale = quantize_rows_fp8(x)
+    else:
+        input_scale = x.float().abs().amax().reshape(1) / 300  # clips the largest activations at 448
+        got = fp8_pairs_cpu.linear(x, packed, w_scale, b, input_scale)
+        expected = fp8_static_linear_reference(x, w, w_scale, input_scale, b)
+        q, x_scale = quantize_static_fp8(x, input_scale), input_scale
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    terms = (q.float() * x_scale).abs() @ (w.float() * w_scale[:, None]).abs().t() + (b.float().abs() if bias else 0)
+    # The same codes and scales; fp32 sums in another order, both outputs rounded to bf16.
+    assert_within(got, expected, 2.0**-8 * (expected.float().abs() + terms) + 1e-30)
+
+
+def test_fp8_pairs_layout_puts_each_pair_where_the_byte_unpack_reads_it():
+    """Output d = 32 h + 16 u + 4 L + r of a block sits at entry 32 h + 8 L + 4 u + r of each step."""
+    n, k = 128, 6
+    w, _ = _fp8_weights(n, k, 1, k, seed=1)
+    packed = fp8_pairs_cpu.pack_weight(w)
+    assert packed.shape == (n // 64, k // 2, 64, 2) and fp8_pairs_cpu.is_pair_packed(packed)
+    assert torch.equal(fp8_pairs_cpu.unpack_weight(packed).view(torch.uint8), w.view(torch.uint8))
+    codes = w.view(torch.uint8)
+    for b, j, d, t in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 2, 17, 0), (1, 0, 38, 1), (0, 2, 63, 1)]:
+        h, u, lane, r = d // 32, d % 32 // 16, d % 16 // 4, d % 4
+        assert packed.view(torch.uint8)[b, j, 32 * h + 8 * lane + 4 * u + r, t] == codes[64 * b + d, 2 * j + t]
+
+
+def test_fp8_pairs_linear_rows_do_not_depend_on_their_batch():
+    w, w_scale = _fp8_weights(192, 576, 1, 576, seed=5)
+    packed = fp8_pairs_cpu.pack_weight(w)
+    x = _activations(11, 576, torch.bfloat16, seed=6)
+    together = fp8_pairs_cpu.linear(x, packed, w_scale.view(-1), None)
+    for row in (0, 4, 10):
+        assert torch.equal(fp8_pairs_cpu.linear(x[row:row + 1], packed, w_scale.view(-1), None), together[row:row + 1])
+
+
+def test_fp8_pairs_names_what_it_expected():
+    w, w_scale = _fp8_weights(64, 64, 1, 64, seed=2)
+    packed = fp8_pairs_cpu.pack_weight(w)
+    with pytest.raises(RuntimeError, match=r"bf16 x \[M, 64\] expected"):
+        torch.ops.qrt_cpu.fp8_pairs_linear(torch.ones(2, 32, dtype=torch.bfloat16), packed, w_scale.view(-1), None, None)
+    with pytest.raises(RuntimeError, match=r"packed as \[N / 64, K / 2, 64, 2\]"):
+        torch.ops.qrt_cpu.fp8_pairs_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed.float(), w_scale.view(-1),
+                                           None, None)
+    with pytest.raises(RuntimeError, match=r"fp32 weight_scale \[64\] expected"):
+        torch.ops.qrt_cpu.fp8_pairs_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed, w_scale.view(-1)[:1],
+                                           None, None)
+    assert not fp8_pairs_cpu.packable(w[:48], torch.bfloat16)
+    assert not fp8_pairs_cpu.packable(w, torch.float32)  # fp32 models keep [N, K] codes
 
 
 def test_unavailable_kernels_step_aside(monkeypatch):
