@@ -17,8 +17,9 @@ so that every call reads its weight from memory as a decode step does, of:
   that column is left out) or forced to dequantize + bf16 GEMM;
 - aten int8 / int8 GEMV / int8 deq: the same for `_weight_int8pack_mm`, and `qrt_cpu::int8pack_mm`
   forced to its GEMV or to its dequantized route;
-- int8 pairs: `qrt_cpu::int8_pairs_linear`, qrt's kernel on the same codes packed in pairs (what
-  int8 runs with qrt's library).
+- int8 pairs / fp8 pairs: `qrt_cpu::int8_pairs_linear` and `qrt_cpu::fp8_pairs_linear`, qrt's
+  kernels on the same codes packed in pairs (what int8, and fp8 per channel in a compiled bf16
+  model, run with qrt's library).
 In brackets, each kernel's speed as a multiple of bf16's at the same shape (> 1: faster). Each
 route is checked against a float reference before it is timed. Run on a quiet machine.
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from qrt.kernels import int8_pairs_cpu, native_cpu  # noqa: E402
+from qrt.kernels import fp8_pairs_cpu, int8_pairs_cpu, native_cpu  # noqa: E402
 
 SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 2048), (11264, 2048),
           (2048, 5632))  # [N, K]
@@ -76,7 +77,7 @@ def main() -> int:
         raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
     rows = [int(v) for v in args.m.split(",")]
     names = ["bf16", "bf16 pairs", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 GEMV",
-             "int8 deq", "int8 pairs"]
+             "int8 deq", "int8 pairs", "fp8 pairs"]
     print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
     print("| [N, K] | M | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 2))
@@ -94,6 +95,8 @@ def main() -> int:
         w8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         s8 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
         pairs8 = int8_pairs_cpu.pack_weight(w8)
+        pairs_fp8 = fp8_pairs_cpu.pack_weight(w_fp8)
+        channel_scale = w_scale.view(-1)  # [N]
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             bf16_expected = x.float() @ w_bf16.float().t()
@@ -123,6 +126,8 @@ def main() -> int:
                              lambda: (w8.clone(),), n * k, int8_expected),
                 "int8 pairs": (lambda w_: torch.ops.qrt_cpu.int8_pairs_linear(x, w_, s8, None),
                                lambda: (pairs8.clone(),), n * k, int8_expected),
+                "fp8 pairs": (lambda w_: torch.ops.qrt_cpu.fp8_pairs_linear(x, w_, channel_scale, None, None),
+                              lambda: (pairs_fp8.clone(),), n * k, fp8_expected),
             }
             if args.only:
                 options = {name: option for name, option in options.items()
