@@ -32,7 +32,7 @@ def _expected_dense_kernel(output_size: int) -> str:
 
 def test_regional_build_prepacks_dense_weights(llama_dir, bf16_regional):
     from qrt import runtime
-    from qrt.kernels.bf16_native_cpu import is_pair_packed
+    from qrt.kernels.pair_layout import is_pair_packed
     from qrt.kernels.onednn_cpu import is_prepacked
 
     linears = [m for m in bf16_regional.model.modules() if hasattr(m, "quant_method")]
@@ -98,7 +98,7 @@ def test_bf16_fp8_model_runs_its_codes_packed_in_pairs(llama_dir):
     import torch
 
     from qrt import runtime
-    from qrt.kernels import fp8_pairs_cpu, native_cpu
+    from qrt.kernels import native_cpu, pair_layout
     from tiny_checkpoints import relative_l2
     from tp_worker import teacher_forced_logits
 
@@ -107,9 +107,9 @@ def test_bf16_fp8_model_runs_its_codes_packed_in_pairs(llama_dir):
     assert len(layers) == LINEARS_PER_LAYER * TINY_LAYERS
     pairs = native_cpu.available()
     for layer in layers:
-        assert fp8_pairs_cpu.is_pair_packed(layer.weight) == (pairs and layer.output_size % 64 == 0)
+        assert pair_layout.is_pair_packed(layer.weight) == (pairs and layer.output_size % 64 == 0)
     decode, _ = swap_record(model.backends["decode"].log)
-    expected = ["qrt_cpu.fp8_pairs_linear" if fp8_pairs_cpu.is_pair_packed(m.weight) else "qrt.fp8_linear_native_cpu"
+    expected = ["qrt_cpu.fp8_pairs_linear" if pair_layout.is_pair_packed(m.weight) else "qrt.fp8_linear_native_cpu"
                 for m in layers] + ["qrt.int8pack_linear"]  # lm_head: int8 per channel
     assert sorted(c.kernel for c in decode.kernel_choices) == sorted(expected)
     prompt = [5, 6, 7, 8]

@@ -13,7 +13,7 @@ from torch import nn
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
 from kernel_checks import random_rows
-from qrt.kernels import int8_pairs_cpu, native_cpu
+from qrt.kernels import native_cpu, pair_layout
 from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import int_linear_reference, unpack_rows
 from qrt.loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
@@ -90,7 +90,7 @@ def test_cpu_int8_pack_kernel_matches_reference(n, asym, dtype):
                                                      dtype)
     assert (zero_terms is None) == (not asym)
     pairs = n % 64 == 0 and dtype == torch.bfloat16 and native_cpu.available()
-    assert int8_pairs_cpu.is_pair_packed(weight) == pairs
+    assert pair_layout.is_pair_packed(weight) == pairs
     bias = torch.randn(n).to(dtype)
     for m in (1, 5, MIN_ROWS_DEQUANTIZED):
         x = random_rows(m, k, dtype)

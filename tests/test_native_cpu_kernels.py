@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernel_checks import SUM_RTOL, assert_within
-from qrt.kernels import bf16_native_cpu, fp8_native_cpu, fp8_pairs_cpu, int8_pairs_cpu, int_cpu, native_cpu
+from qrt.kernels import bf16_native_cpu, fp8_native_cpu, fp8_pairs_cpu, int8_pairs_cpu, int_cpu, native_cpu, pair_layout
 from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8
 from qrt.kernels.fp8_reference import fp8_linear_reference, quantize_rows_fp8
 from qrt.kernels.fp8_static_reference import fp8_static_linear_reference, quantize_static_fp8
@@ -275,10 +275,10 @@ def test_int8_pairs_layout_holds_each_code_where_the_kernel_reads_it():
     n, k = 128, 10
     codes = ((torch.arange(n * k) % 256) - 128).to(torch.int8).reshape(n, k)
     packed = int8_pairs_cpu.pack_weight(codes)
-    assert packed.shape == (n // 64, k // 2, 64, 2) and int8_pairs_cpu.is_pair_packed(packed)
+    assert packed.shape == (n // 64, k // 2, 64, 2) and pair_layout.is_pair_packed(packed)
     b, j, d, t = torch.meshgrid(*(torch.arange(size) for size in packed.shape), indexing="ij")
     assert torch.equal(packed, codes[64 * b + d, 2 * j + t])
-    assert int8_pairs_cpu.output_features(packed) == n and int8_pairs_cpu.output_features(codes) == n
+    assert pair_layout.output_features(packed) == n and pair_layout.output_features(codes) == n
 
 
 def test_int8_pairs_linear_rows_do_not_depend_on_their_batch():
@@ -338,7 +338,7 @@ def test_fp8_pairs_layout_puts_each_pair_where_the_byte_unpack_reads_it():
     n, k = 128, 6
     w, _ = _fp8_weights(n, k, 1, k, seed=1)
     packed = fp8_pairs_cpu.pack_weight(w)
-    assert packed.shape == (n // 64, k // 2, 64, 2) and fp8_pairs_cpu.is_pair_packed(packed)
+    assert packed.shape == (n // 64, k // 2, 64, 2) and pair_layout.is_pair_packed(packed)
     assert torch.equal(fp8_pairs_cpu.unpack_weight(packed).view(torch.uint8), w.view(torch.uint8))
     codes = w.view(torch.uint8)
     for b, j, d, t in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 2, 17, 0), (1, 0, 38, 1), (0, 2, 63, 1)]:

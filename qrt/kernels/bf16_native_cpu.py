@@ -17,32 +17,20 @@ as a bf16 GEMM, in another order. A row's result does not depend on the other ro
 
 import torch
 
-from . import native_cpu
+from . import pair_layout
 from .choices import Kernel, declare
-
-OUTPUTS_PER_BLOCK = 64  # output rows per packed block (csrc/dense_bf16_cpu.cpp)
+from .pair_layout import output_features
 
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether this dense weight can be packed in pairs here (bf16 [N, K] on the CPU, N a multiple of
     64, K even, qrt's library built)."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[0] % OUTPUTS_PER_BLOCK == 0 and weight.shape[1] % 2 == 0 and native_cpu.available())
+    return pair_layout.packable(weight, torch.bfloat16)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] -> [N / 64, K / 2, 64, 2], element (b, j, d, t) = weight[64 b + d, 2 j + t]."""
     return torch.ops.qrt_cpu.pack_bf16_pairs(weight.detach().contiguous())
-
-
-def is_pair_packed(weight: torch.Tensor) -> bool:
-    """True for a weight made by `pack_weight`: a static property of the tensor (its shape), so in a
-    traced graph this is decided once, at trace time."""
-    return weight.dim() == 4 and weight.shape[2] == OUTPUTS_PER_BLOCK and weight.shape[3] == 2
-
-
-def output_features(packed: torch.Tensor) -> int:
-    return packed.shape[0] * OUTPUTS_PER_BLOCK
 
 
 def bf16_pairs_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """qrt's CPU kernel for fp8 linears with per-channel (or per-tensor) weight scales:
 `qrt_cpu::fp8_pairs_linear` (csrc/fp8_pairs_cpu.cpp) on the e4m3 codes packed in pairs,
-[N, K] -> [N / 64, K / 2, 64, 2], the layout of the dense bf16 kernel (csrc/pair_gemv.h) with the
+[N, K] -> [N / 64, K / 2, 64, 2], the layout of the dense bf16 kernel (pair_layout.py) with the
 pairs of each step in the order the kernel's byte unpack produces them.
 
 The activations are quantized to e4m3 inside the op exactly as the reference does (per token, or
@@ -20,43 +20,25 @@ order per output; a row's result does not depend on the other rows of its batch.
 
 import torch
 
-from . import native_cpu
+from . import pair_layout
 from .choices import Kernel, declare
-
-OUTPUTS_PER_BLOCK = 64  # output rows per packed block (csrc/pair_gemv.h)
+from .pair_layout import OUTPUTS_PER_BLOCK
 
 
 def packable(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether e4m3 codes [N, K] of a model in `dtype` can run on this kernel here."""
-    return (weight.dim() == 2 and weight.dtype == torch.float8_e4m3fn and weight.device.type == "cpu"
-            and dtype == torch.bfloat16 and weight.shape[0] % OUTPUTS_PER_BLOCK == 0 and weight.shape[1] % 2 == 0
-            and native_cpu.available())
+    return pair_layout.packable(weight, torch.float8_e4m3fn, dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """e4m3 [N, K] -> [N / 64, K / 2, 64, 2]: block b, step j holds the pairs (w[n, 2j], w[n, 2j + 1])
-    of outputs n = 64 b + d in the order of the kernel's byte unpack. With d = 32 h + 16 u + 4 L + r
-    (half h, unpack half u, 128-bit lane L, r < 4), the pair of d is entry 32 h + 8 L + 4 u + r of
-    the step's 64."""
-    n, k = weight.shape
-    blocks = n // OUTPUTS_PER_BLOCK
-    codes = weight.detach().contiguous().view(torch.uint8)  # permuted as bytes
-    by_part = codes.reshape(blocks, 2, 2, 4, 4, k // 2, 2)  # [b, h, u, L, r, j, t]
-    packed = by_part.permute(0, 5, 1, 3, 2, 4, 6).reshape(blocks, k // 2, OUTPUTS_PER_BLOCK, 2).contiguous()
-    return packed.view(torch.float8_e4m3fn)
+    """e4m3 [N, K] -> [N / 64, K / 2, 64, 2] in the order of the kernel's byte unpack
+    (pair_layout.pack_in_unpack_order)."""
+    return pair_layout.pack_in_unpack_order(weight.view(torch.uint8)).view(torch.float8_e4m3fn)
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_weight`: [N / 64, K / 2, 64, 2] -> e4m3 [N, K]."""
-    blocks, half_k = packed.shape[:2]
-    by_part = packed.view(torch.uint8).reshape(blocks, half_k, 2, 4, 2, 4, 2)  # [b, j, h, L, u, r, t]
-    codes = by_part.permute(0, 2, 4, 3, 5, 1, 6).reshape(blocks * OUTPUTS_PER_BLOCK, 2 * half_k)
-    return codes.contiguous().view(torch.float8_e4m3fn)
-
-
-def is_pair_packed(weight: torch.Tensor) -> bool:
-    """True for codes made by `pack_weight` (a static property of the shape: decided at trace time)."""
-    return weight.dim() == 4 and weight.shape[2] == OUTPUTS_PER_BLOCK and weight.shape[3] == 2
+    return pair_layout.unpack_from_unpack_order(packed.view(torch.uint8)).view(torch.float8_e4m3fn)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -1,6 +1,6 @@
 """qrt's CPU kernel for int8 weight-only linears with one scale per channel:
 `qrt_cpu::int8_pairs_linear` (csrc/int8_pairs_cpu.cpp) on the codes packed in pairs,
-int8 [N, K] -> [N / 64, K / 2, 64, 2], the layout of the dense bf16 kernel (csrc/pair_gemv.h).
+int8 [N, K] -> [N / 64, K / 2, 64, 2], the layout of the dense bf16 kernel (pair_layout.py).
 
 It is the `int8pack` layout's kernel wherever it can run (bf16 activations, N a multiple of 64,
 K even, qrt's library built): `pack_int8_for_cpu` (int_cpu.py) packs the codes this way and
@@ -15,29 +15,14 @@ one fixed order per output; the scale multiplies the sum once, then one rounding
 
 import torch
 
-from . import native_cpu
-
-OUTPUTS_PER_BLOCK = 64  # output rows per packed block (csrc/pair_gemv.h)
+from . import pair_layout
 
 
 def packable(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether int8 codes [N, K] for a model in `dtype` can run on this kernel here."""
-    return (weight.dim() == 2 and weight.dtype == torch.int8 and weight.device.type == "cpu"
-            and dtype == torch.bfloat16 and weight.shape[0] % OUTPUTS_PER_BLOCK == 0 and weight.shape[1] % 2 == 0
-            and native_cpu.available())
+    return pair_layout.packable(weight, torch.int8, dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> [N / 64, K / 2, 64, 2], element (b, j, d, t) = weight[64 b + d, 2 j + t]."""
-    n, k = weight.shape
-    return weight.reshape(n // OUTPUTS_PER_BLOCK, OUTPUTS_PER_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def is_pair_packed(weight: torch.Tensor) -> bool:
-    """True for codes made by `pack_weight` (a static property of the shape: decided at trace time)."""
-    return weight.dim() == 4 and weight.shape[2] == OUTPUTS_PER_BLOCK and weight.shape[3] == 2
-
-
-def output_features(weight: torch.Tensor) -> int:
-    """N of int8 codes in either layout."""
-    return weight.shape[0] * OUTPUTS_PER_BLOCK if is_pair_packed(weight) else weight.shape[0]
+    return pair_layout.pack_in_order(weight)

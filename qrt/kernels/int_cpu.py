@@ -24,7 +24,7 @@ requires it), so they are rounded to the model dtype once, at load time.
 
 import torch
 
-from . import int8_pairs_cpu, native_cpu
+from . import int8_pairs_cpu, native_cpu, pair_layout
 from .choices import Kernel, declare
 from .int_reference import unpack_rows
 
@@ -97,7 +97,7 @@ def int8pack_linear(x, weight, scales, zero_terms, bias):
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
     fused_bias = None
-    if int8_pairs_cpu.is_pair_packed(weight):
+    if pair_layout.is_pair_packed(weight):
         # The bias is added in the kernel unless the zero-point correction comes between.
         fused_bias = bias if zero_terms is None else None
         out = torch.ops.qrt_cpu.int8_pairs_linear(x2, weight, scales, fused_bias)  # [M, N]
@@ -111,7 +111,7 @@ def int8pack_linear(x, weight, scales, zero_terms, bias):
         out = (out.float() - correction).to(x.dtype)
     if bias is not None and fused_bias is None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], int8_pairs_cpu.output_features(weight))
+    return out.reshape(*x.shape[:-1], pair_layout.output_features(weight))
 
 
 _lib.impl("int4pack_linear", int4pack_linear, "CompositeImplicitAutograd")

@@ -22,7 +22,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .bf16_native_cpu import bf16_pairs_linear, is_pair_packed
+from .bf16_native_cpu import bf16_pairs_linear
+from .pair_layout import is_pair_packed
 from .choices import Kernel, declare
 
 # carrier storage address -> oneDNN-packed weight [N, K]; an entry lives as long as its carrier

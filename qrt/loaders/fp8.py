@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels import fp8_pairs_cpu
+from qrt.kernels import fp8_pairs_cpu, pair_layout
 from qrt.kernels.choices import choose
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 
@@ -64,7 +64,7 @@ class Fp8OnlineLinearMethod(LinearMethod):
         )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if fp8_pairs_cpu.is_pair_packed(layer.weight):  # packed for a compiled CPU model (loaders/prepack.py)
+        if pair_layout.is_pair_packed(layer.weight):  # packed for a compiled CPU model (loaders/prepack.py)
             return fp8_pairs_cpu.linear(x, layer.weight, layer.weight_scale, layer.bias)
         return torch.ops.qrt.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from qrt.kernels import fp8_pairs_cpu
+from qrt.kernels import fp8_pairs_cpu, pair_layout
 from qrt.kernels.choices import choose
 from qrt.kernels.fp8_block_reference import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
@@ -125,7 +125,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         spec = self.cfg
         scale = getattr(layer, spec.scale_name)
-        if fp8_pairs_cpu.is_pair_packed(layer.weight):  # packed for a compiled CPU model (loaders/prepack.py)
+        if pair_layout.is_pair_packed(layer.weight):  # packed for a compiled CPU model (loaders/prepack.py)
             static = layer.input_scale if spec.activation == STATIC_TENSOR else None
             return fp8_pairs_cpu.linear(x, layer.weight, scale, layer.bias, static)
         if spec.activation == DYNAMIC_TOKEN:

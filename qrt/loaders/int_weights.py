@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels import int8_pairs_cpu
+from qrt.kernels import pair_layout
 from qrt.kernels.choices import choose
 from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import pack_rows
@@ -128,7 +128,7 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     elif layout == INT8PACK:
         weight, scales, zero_terms = pack_int8_for_cpu(w.q, w.scales, w.zeros, dtype)
         asym = "" if zero_terms is None else ", zero-point correction"
-        codes = "int8 pairs [N/64, K/2, 64, 2]" if int8_pairs_cpu.is_pair_packed(weight) else "int8 [N, K]"
+        codes = "int8 pairs [N/64, K/2, 64, 2]" if pair_layout.is_pair_packed(weight) else "int8 [N, K]"
         layer.weight = make_parameter(weight, quant_format=what, kernel=kernel.op,  # [N, K] or pairs, int8
                                       storage_layout=f"{codes}, channel scales{asym}")
         layer.scales = make_parameter(scales)  # [N] model dtype
