@@ -146,3 +146,17 @@ def test_triton_int_gemm_reads_scales_and_zeros_by_their_own_strides():
     x = random_rows(3, 128)
     out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], zeros, None, None, 4, 32)
     assert relative_l2(out, _reference(x, layer)) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [8, 10, 192])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unpack_rows_to_bytes_is_the_int32_unpack(bits, rows):
+    """The loader unpacks online codes to bytes (8-bit through a view of the words' bytes): the same
+    values as the int32 unpack, ragged last word included."""
+    from qrt.kernels.int_reference import pack_rows
+
+    q = torch.randint(0, 2**bits, (rows, 37), generator=torch.Generator().manual_seed(rows), dtype=torch.int32)
+    words = pack_rows(q, bits)
+    as_bytes = unpack_rows(words, bits, rows, torch.uint8)
+    assert as_bytes.dtype == torch.uint8 and torch.equal(as_bytes.to(torch.int32), unpack_rows(words, bits, rows))
+    assert torch.equal(unpack_rows(words, bits, rows), q)

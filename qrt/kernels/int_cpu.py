@@ -24,7 +24,7 @@ requires it), so they are rounded to the model dtype once, at load time.
 
 import torch
 
-from . import int8_pairs_cpu, native_cpu, pair_layout
+from . import native_cpu, pair_layout
 from .choices import Kernel, declare
 from .int_reference import unpack_rows
 
@@ -63,18 +63,23 @@ def pack_int4_for_cpu(qweight, scales, zeros, group_size: int, k: int, cpu_group
 
 
 def pack_int8_for_cpu(q, scales, zeros, dtype):
-    """Unpacked 8-bit per-channel codes q [K, N] (int32 in [0, 256)) -> (int8 codes, scales [N],
+    """Unpacked 8-bit per-channel codes q [K, N] (integers in [0, 256)) -> (int8 codes, scales [N],
     zero_terms [N] or None), scales and zero terms in `dtype`; zero_terms is None when every zero
     point is 128. The codes are packed in pairs, [N / 64, K / 2, 64, 2], where qrt's int8 kernel
     runs them (int8_pairs_cpu.py), else [N, K] for ATen's layout."""
-    # q - 128 as int8 is the code's byte with its top bit flipped. Narrowed to bytes before the
-    # transposing copy: int32 temporaries of a 49152-row lm_head were the peak of a whole load.
-    weight = (q.to(torch.uint8) ^ 0x80).view(torch.int8).t().contiguous()  # [N, K]
-    if int8_pairs_cpu.packable(weight, dtype):
-        weight = int8_pairs_cpu.pack_weight(weight)  # [N / 64, K / 2, 64, 2]
+    k, n = q.shape
+    codes = q.to(torch.uint8)  # narrowed first: int32 temporaries of a 49152-row lm_head were a load's peak
+    # q - 128 as int8 is the code's byte with its top bit flipped, written straight into the
+    # layout (one copy): element (b, j, d, t) of the pairs is q[2 j + t, 64 b + d].
+    if pair_layout.packable(codes.t(), torch.uint8, dtype):
+        weight = torch.empty(n // 64, k // 2, 64, 2, dtype=torch.uint8)  # [N / 64, K / 2, 64, 2]
+        torch.bitwise_xor(codes.view(k // 2, 2, n // 64, 64).permute(2, 0, 3, 1), 0x80, out=weight)
+    else:
+        weight = torch.empty(n, k, dtype=torch.uint8)  # [N, K]
+        torch.bitwise_xor(codes.t(), 0x80, out=weight)
     s, z = scales.float()[0], zeros.float()[0]  # [N] fp32: one group spans K
     zero_terms = None if bool((z == 128).all()) else ((z - 128.0) * s).to(dtype)
-    return weight, s.to(dtype), zero_terms
+    return weight.view(torch.int8), s.to(dtype), zero_terms
 
 
 def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):

@@ -15,6 +15,8 @@ into one canonical layout, which this reference and the GPU kernel read:
   groups are contiguous; the activation columns are then gathered with `perm` to match.
 """
 
+import sys
+
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -50,10 +52,16 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """Inverse of `pack_rows`: int32 [ceil(rows / pf), C] -> int32 [rows, C] unsigned values."""
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Inverse of `pack_rows`: int32 [ceil(rows / pf), C] -> [rows, C] unsigned values in `dtype`
+    (int32, or uint8 for bits <= 8)."""
     pf = pack_factor(bits)
-    out = torch.empty(rows, packed.shape[1], dtype=torch.int32, device=packed.device)
+    if bits == 8 and dtype == torch.uint8 and sys.byteorder == "little":
+        # Byte i of each word is row 4 r + i (LSB-first): a view and one copy, where the shifts
+        # below make int64 temporaries of 32x the codes' size per chunk.
+        as_bytes = packed.contiguous().view(torch.uint8).view(packed.shape[0], packed.shape[1], 4)  # [R / 4, C, 4]
+        return as_bytes.permute(0, 2, 1).reshape(-1, packed.shape[1])[:rows].contiguous()
+    out = torch.empty(rows, packed.shape[1], dtype=dtype, device=packed.device)
     shifts = (torch.arange(pf, device=packed.device, dtype=torch.int64) * bits)[None, :, None]
     for start in range(0, packed.shape[1], _COLUMNS_PER_CHUNK):
         words = packed[:, start : start + _COLUMNS_PER_CHUNK].to(torch.int64) & 0xFFFFFFFF  # as unsigned

@@ -132,7 +132,8 @@ class OnlineIntLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         k, bits = layer.input_size, self.cfg.bits
-        weights = IntWeights(unpack_rows(layer.weight.data, bits, k), layer.scales.data, layer.zeros.data, bits,
+        # Unpacked to bytes (the codes are below 256): int32 would be 4x the weight's size at once.
+        weights = IntWeights(unpack_rows(layer.weight.data, bits, k, torch.uint8), layer.scales.data, layer.zeros.data, bits,
                              self.group_size(layer))
         remove_parameters(layer, "weight", "scales", "zeros")
         self.layout = install_int_weights(layer, weights, device, self.cfg.describe(layer.full_input_size))

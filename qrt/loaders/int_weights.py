@@ -43,7 +43,7 @@ class IntWeights:
     """One layer's integer weights, unpacked: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]
     with g(k) = g_idx[k] when given, else k // group_size."""
 
-    q: torch.Tensor  # [K, N] int32, unsigned values in [0, 2**bits)
+    q: torch.Tensor  # [K, N] int32 (or uint8), unsigned values in [0, 2**bits)
     scales: torch.Tensor  # [ceil(K / G), N] float
     zeros: torch.Tensor  # [ceil(K / G), N] float, zero points in units of the scale (may be fractional)
     bits: int
