@@ -109,8 +109,14 @@ def format_folders(tmp_path_factory):
 # Elsewhere an fp32 model sharded in two sums each row-parallel output in two halves and adds
 # them: a rounding of about 2**-24 per add on sums of a few hundred terms, a relative error of
 # order 1e-7 on the logits, compounded over the layers; 1e-5 leaves room for that and nothing else.
+# Block fp8 (compressed-tensors float-quantized) quantizes activations per group of 128 at run time.
+# tp=2 splits on whole groups, so each group gets the scale it gets at tp=1, but its inputs differ
+# in their last bits (summation order), which now and then moves one value across an e4m3 rounding
+# edge: a step of up to 1/16 of that value. One such flip moved the logits by 3.2e-4 here, and the
+# greedy tokens of the random tiny model parted after it; 1e-2 is the format contract's bound.
 SUMMATION_ORDER = 1e-5
-PER_TOKEN_ACTIVATIONS = {"stored:fp8": 0.08, "online:fp8": 0.08, "online:w8a8": 0.04}
+ACTIVATIONS_ROUNDED_AT_RUN_TIME = {"stored:fp8": 0.08, "online:fp8": 0.08, "online:w8a8": 0.04,
+                                   "compressed-tensors:float-quantized": 1e-2}
 
 
 def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_folders, sharded):
@@ -119,8 +125,8 @@ def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_fo
         logits, tokens = single_rank(folder, CASES[name].quant)
         got = sharded[name]
         error = relative_l2(got["logits"], logits)
-        if name in PER_TOKEN_ACTIVATIONS:
-            if error > PER_TOKEN_ACTIVATIONS[name]:
+        if name in ACTIVATIONS_ROUNDED_AT_RUN_TIME:
+            if error > ACTIVATIONS_ROUNDED_AT_RUN_TIME[name]:
                 failures.append(f"{name}: logits off by {error:.2e}")
         elif error > TOLERANCE.get(name, SUMMATION_ORDER) or got["tokens"] != tokens:
             failures.append(f"{name}: logits off by {error:.2e}, tokens {got['tokens']} vs {tokens}")
