@@ -1,6 +1,6 @@
 """Decode attention: the reference op `qrt::decode_attention` against attention written out in
 float64, and qrt's AVX-512 kernel `qrt_cpu::decode_attention` against the reference, on random
-caches (bf16, fp16, fp32 and e4m3), extents across its chunks of 256 entries, sliding windows,
+caches (bf16, fp16, fp32 and e4m3), extents across its chunks of 128 entries, sliding windows,
 Gemma's soft-cap, every query-group size of the supported models; and the property it exists
 for: a row's result is bit-identical whatever rows share its batch."""
 
@@ -22,8 +22,9 @@ def _built_kernels():
 # (query heads, KV heads, head_dim): the default model (9/3/64), Llama-3-8B-like (32/8/128),
 # MHA (4/4/64), one KV head for 8 (8/1/128) and Gemma 2's 256-wide heads (8/4/256).
 HEADS = [(9, 3, 64), (32, 8, 128), (4, 4, 64), (8, 1, 128), (8, 4, 256)]
-# Each row: (first, last) entries attended; across one chunk, at its edges, and over several.
-EXTENTS = [(0, 0), (0, 254), (0, 255), (0, 256), (10, 700), (300, 301), (0, 1023)]
+# Each row: (first, last) entries attended; within one chunk of 128 entries, at its edges, over
+# several, and lengths that leave the last block of 16 entries part-full.
+EXTENTS = [(0, 0), (0, 126), (0, 127), (0, 128), (10, 700), (300, 301), (0, 1023), (5, 20)]
 SEQ = 1024
 
 
@@ -94,7 +95,7 @@ def test_reference_reads_an_fp8_cache_as_the_model_dequantizes_it():
     assert _relative(got, expected) < ROUNDING[torch.bfloat16]
 
 
-# The kernel sums in another order (chunks of 256 merged, a polynomial exp) before the same
+# The kernel sums in another order (chunks of 128 merged, a polynomial exp) before the same
 # rounding: in fp32 a few ulp; in bf16/fp16 an output may round to the neighbouring value.
 KERNEL_RTOL = {torch.float32: 2e-6, torch.bfloat16: 2e-3, torch.float16: 3e-4}
 

@@ -1,10 +1,11 @@
 """qrt's AVX-512 decode attention (csrc/decode_attention_cpu.cpp) in place of
 `qrt::decode_attention` (decode_attention_reference.py).
 
-Per (row, KV head, chunk of 256 entries) one thread reads each K and V row once for all the
-query heads that share it, from the cache as it lies (bf16, fp16, fp32, or e4m3 bytes widened in
-registers), with an online merge of the chunks in a fixed order. A row's result depends on its
-own extent only, never on its batch or on the thread count.
+Per (row, KV head, chunk of 128 entries) one thread reads each K and V row once for all the
+query heads that share it, from the cache as it lies (bf16 rows multiplied as bf16 pairs; fp16,
+fp32, or e4m3 bytes widened to fp32), and the thread that finishes a (row, KV head)'s last chunk
+merges its chunks in a fixed order. A row's result depends on its own extent only, never on its
+batch, on the thread count or on which thread merges.
 
 Numerics: fp32 throughout, as the reference; they differ in summation order, the chunked merge
 and a polynomial exp (within 2 ulp of expf), then agree on the rounding to the model dtype.
