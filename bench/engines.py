@@ -44,8 +44,10 @@ from bench.measure import (TokenClock, TransformersClock, check_length, log, spe
 
 
 def cache_length(job: dict) -> int:
-    """KV cache positions every engine gets: the prompt, N decode steps and the last sampled token."""
-    return len(job["prompts"][0]) + job["new_tokens"] + 1
+    """KV cache positions every engine gets: the prompt, N decode steps and the last sampled token,
+    or the job's own `cache_length` (bench/context.py gives every prompt length the same cache, so
+    that one compiled graph serves them all)."""
+    return job.get("cache_length") or len(job["prompts"][0]) + job["new_tokens"] + 1
 
 
 def time_speeds(run, job: dict) -> dict:

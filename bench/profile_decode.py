@@ -10,7 +10,10 @@ generated C++ kernel is an event of its own; the compile uses a fresh temporary 
 profiler (the figure that counts: the decode graph called directly, without Dynamo), through Dynamo
 and its guards (what the direct call saves), and under the profiler (the events' sum is compared
 against that one). "Outside any kernel" is the profiled step minus the events' self times: Python
-in the generated wrapper, qrt's own call path, the decode loop, sampling.
+in the generated wrapper, qrt's own call path, the decode loop, sampling. Two lines read the
+profile against the step's bytes: attention's time against the K and V it reads at the bandwidth
+measured in the same run, and the share of the step spent outside kernels (the Python wrapper plus
+the time outside any event).
 
 Kinds, from the event names:
 - matmul: oneDNN/ATen linears and mm, Inductor's C++ GEMM templates, qrt's packed-integer ops;
@@ -38,8 +41,8 @@ import torch  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 
 from bench.measure import log, machine_state, positive_int, print_machine_state, prompt_ids  # noqa: E402
-from bench.roofline import (cached_bandwidth, expert_weight_bytes, experts_read_fraction, roofline_tok_s,  # noqa: E402
-                            weight_bytes_per_token)
+from bench.roofline import (cached_bandwidth, expert_weight_bytes, experts_read_fraction, kv_bytes_per_step,  # noqa: E402
+                            roofline_tok_s, weight_bytes_per_token)
 from bench.quants import QUANTS  # noqa: E402
 
 MATMUL_MARKERS = ("linear", "mm", "gemm", "int4pack", "int8pack", "qrt::")
@@ -141,6 +144,16 @@ def main() -> None:
     print(f"{'kind':<22}{'ms':>8}{'share':>8}")
     for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1]):
         print(f"{kind:<22}{seconds * 1e3:>8.2f}{seconds / profiled:>8.0%}")
+    attention = by_kind.get("attention", 0.0)
+    # The profiled steps feed positions len(ids) .. len(ids) + steps - 1, each attending up to itself.
+    attended = len(ids) + (args.steps + 1) / 2
+    kv_bytes = kv_bytes_per_step(model.model, attended)
+    print(f"\nattention: {attention * 1e3:.2f} ms a step for {kv_bytes / 1e6:.2f} MB of K and V (about {attended:.0f} "
+          f"entries a layer), {attention / (kv_bytes / (bandwidth * 1e9)):.1f}× the time those bytes take at "
+          f"{bandwidth:.1f} GB/s")
+    outside = by_kind["outside any kernel"] + by_kind.get("wrapper (Python)", 0.0)
+    print(f"outside kernels (the Python wrapper and the time outside any event): {outside * 1e3:.2f} ms, "
+          f"{outside / profiled:.0%} of the profiled step")
     matmul = by_kind.get("matmul", 0.0)
     print(f"\nmatmuls alone would run at {weight_bytes / max(matmul, 1e-9) / 1e9:.1f} GB/s of weights "
           f"(bandwidth {bandwidth:.1f})")

@@ -72,6 +72,22 @@ def weight_bytes_per_token(model: torch.nn.Module, embedding: torch.Tensor) -> i
     return others + row + (_nbytes(embedding) if shared else 0)
 
 
+def kv_bytes_per_step(model: torch.nn.Module, attended: float) -> float:
+    """Bytes of K and V one decode step of one row reads when its token attends over `attended`
+    cache entries: every layer's K and V rows of that many entries (a sliding-window layer's at
+    most its window), as the cache stores them."""
+    total = 0.0
+    for module in model.modules():
+        cache = getattr(module, "k_cache", None)
+        if not isinstance(cache, torch.Tensor):
+            continue
+        _, kv_heads, _, head_dim = cache.shape  # [slots, KVH, S, hd]
+        window = getattr(module, "sliding_window", None)
+        entries = attended if window is None else min(attended, window)
+        total += 2 * kv_heads * entries * head_dim * cache.element_size()
+    return total
+
+
 def expert_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a mixture-of-experts model's routed experts (parameters under `.experts.`, as qrt
     and transformers name them), of which a decode step reads only the experts its tokens pick."""
