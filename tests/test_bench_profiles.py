@@ -1,5 +1,6 @@
-"""bench/profile_decode.py and bench/profile_compile.py: their bookkeeping on made-up timers and
-event names, and one end-to-end run each on a tiny random Llama, so they cannot rot."""
+"""bench/profile_decode.py, bench/profile_compile.py, bench/context.py and bench/decode_attention.py:
+their bookkeeping on made-up timers and event names, and one end-to-end run each on a tiny random
+Llama (or the kernel alone), so they cannot rot."""
 
 import os
 import re
@@ -73,6 +74,40 @@ def test_profile_decode_accounts_for_the_whole_step(one_layer_llama, tmp_path):
     # The kinds split the profiled step: their shares add up to it, give or take rounding (and
     # nothing is left over when the events' self times exceed the step's wall time).
     assert 95 <= sum(int(share) for share in shares.values()) <= 110, out
+    assert re.search(r"attention: [\d.]+ ms a step for [\d.]+ MB of K and V .*, [\d.]+× the time", out), out
+    assert re.search(r"outside kernels .*: [\d.]+ ms, \d+% of the profiled step", out), out
+
+
+def test_kv_bytes_per_step_counts_every_layers_k_and_v(one_layer_llama):
+    from bench.roofline import kv_bytes_per_step
+    from qrt import runtime
+
+    model = runtime.compile_model(one_layer_llama, compile=False, progress=False, max_seq_len=64)
+    attention = model.model.model.layers[0].self_attn
+    per_entry = 2 * attention.num_kv_heads * attention.head_dim * attention.k_cache.element_size()  # K and V
+    assert kv_bytes_per_step(model.model, 10) == 10 * per_entry
+    attention.sliding_window = 4  # a sliding-window layer reads at most its window
+    assert kv_bytes_per_step(model.model, 10) == 4 * per_entry
+
+
+@pytest.mark.bench  # one tiny model compiled once, then loaded at a second context: about 30 s
+def test_context_bench_times_each_context_with_one_cache(one_layer_llama, tmp_path):
+    out = run_bench("bench/context.py", "--model", str(one_layer_llama), "--quant", "bf16", "--engines", "qrt",
+                    "--contexts", "8,40", "--new-tokens", "4", "--runs", "1", tmp_path=tmp_path)
+    assert "a KV cache of 45 entries for every context" in out, out
+    assert re.search(r"^qrt bf16\s+[\d.]+ \[[\d.]+–[\d.]+\]\s+[\d.]+ \[[\d.]+–[\d.]+\]\s+[\d.]+$", out, re.M), out
+
+
+@pytest.mark.bench  # kernel calls only, a few seconds
+def test_decode_attention_bench_checks_then_times_the_kernel(tmp_path):
+    from qrt.kernels import native_cpu
+
+    if native_cpu.why_not_wanted() is not None:
+        pytest.skip(native_cpu.why_not_wanted())
+    out = run_bench("bench/decode_attention.py", "--contexts", "16,300", "--layers", "2", "--rounds", "1",
+                    tmp_path=tmp_path)
+    rows = re.findall(r"^\s+(16|300)\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)
+    assert rows == [("16", "12"), ("300", "230")], out  # K+V KB: 2 x 3 heads x C x 64 x 2 bytes
 
 
 @pytest.mark.bench  # two compiles in subprocesses, about 30 s
