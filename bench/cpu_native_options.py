@@ -19,7 +19,9 @@ so that every call reads its weight from memory as a decode step does, of:
   forced to its GEMV or to its dequantized route;
 - int8 pairs / fp8 pairs: `qrt_cpu::int8_pairs_linear` and `qrt_cpu::fp8_pairs_linear`, qrt's
   kernels on the same codes packed in pairs (what int8, and fp8 per channel in a compiled bf16
-  model, run with qrt's library).
+  model, run with qrt's library);
+- int4 pairs: `qrt_cpu::int4_pairs_linear`, qrt's kernel on the same 4-bit codes and group scales
+  in its own pack (what int4 in a bf16 model runs with qrt's library, at every M).
 In brackets, each kernel's speed as a multiple of bf16's at the same shape (> 1: faster). Each
 route is checked against a float reference before it is timed. Run on a quiet machine.
 """
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from qrt.kernels import fp8_pairs_cpu, int8_pairs_cpu, native_cpu  # noqa: E402
+from qrt.kernels import fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, native_cpu  # noqa: E402
 
 SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 2048), (11264, 2048),
           (2048, 5632))  # [N, K]
@@ -77,7 +79,7 @@ def main() -> int:
         raise SystemExit(f"qrt's CPU kernels are off here: {native_cpu.why_unavailable()}")
     rows = [int(v) for v in args.m.split(",")]
     names = ["bf16", "bf16 pairs", "fp8 GEMV", "fp8 deq", "aten int4", "int4 GEMV", "int4 deq", "aten int8", "int8 GEMV",
-             "int8 deq", "int8 pairs", "fp8 pairs"]
+             "int8 deq", "int8 pairs", "fp8 pairs", "int4 pairs"]
     print(f"{args.threads} threads; median µs per call [speed × bf16]\n")
     print("| [N, K] | M | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 2))
@@ -92,6 +94,7 @@ def main() -> int:
         q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
         packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
         so = (torch.randn(k // GROUP, n, 2, generator=gen) * 0.01).to(torch.bfloat16)
+        pairs4, so_blocked = int4_pairs_cpu.pack_codes(q4.t()), int4_pairs_cpu.pack_scale_offsets(so)
         w8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         s8 = (torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16)
         pairs8 = int8_pairs_cpu.pack_weight(w8)
@@ -128,6 +131,9 @@ def main() -> int:
                                lambda: (pairs8.clone(),), n * k, int8_expected),
                 "fp8 pairs": (lambda w_: torch.ops.qrt_cpu.fp8_pairs_linear(x, w_, channel_scale, None, None),
                               lambda: (pairs_fp8.clone(),), n * k, fp8_expected),
+                "int4 pairs": (lambda p_, s_: torch.ops.qrt_cpu.int4_pairs_linear(
+                                   x, p_, s_, GROUP, None, int4_pairs_cpu.MIN_ROWS_DEQUANTIZED),
+                               lambda: (pairs4.clone(), so_blocked.clone()), n * k // 2, int4_expected),
             }
             if args.only:
                 options = {name: option for name, option in options.items()

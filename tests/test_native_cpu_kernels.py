@@ -2,15 +2,17 @@
 inputs, by both of their routes (the GEMV and the dequantize + dense GEMM): `qrt_cpu::fp8_linear`
 and the three fp8 kernel ops against their logical reference ops, its activation quantization
 against torch's exactly, the int4/int8 pack kernels' dequantized route against the exact sum (the
-middle route is ATen's, tested in test_int_kernels.py), the int4 GEMV of one row, and the GEMV on
+middle route is ATen's, tested in test_int_kernels.py), the int4 GEMV of one row, the GEMV on
 weights packed in pairs (csrc/pair_gemv.h) with bf16 weights (dense_bf16_cpu.cpp), int8 codes
-(int8_pairs_cpu.cpp) and e4m3 codes (fp8_pairs_cpu.cpp)."""
+(int8_pairs_cpu.cpp) and e4m3 codes (fp8_pairs_cpu.cpp), and qrt's int4 kernel on its own pack
+(int4_pairs_cpu.cpp)."""
 
 import pytest
 import torch
 
 from kernel_checks import SUM_RTOL, assert_within
-from qrt.kernels import bf16_native_cpu, fp8_native_cpu, fp8_pairs_cpu, int8_pairs_cpu, int_cpu, native_cpu, pair_layout
+from qrt.kernels import (bf16_native_cpu, fp8_native_cpu, fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, int_cpu,
+                         native_cpu, pair_layout)
 from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8
 from qrt.kernels.fp8_reference import fp8_linear_reference, quantize_rows_fp8
 from qrt.kernels.fp8_static_reference import fp8_static_linear_reference, quantize_static_fp8
@@ -304,6 +306,87 @@ def test_int8_pairs_names_what_it_expected():
         torch.ops.qrt_cpu.int8_pairs_linear(torch.ones(2, 64, dtype=torch.bfloat16), packed, scales[:32], None)
     assert not int8_pairs_cpu.packable(torch.ones(100, 64, dtype=torch.int8), torch.bfloat16)
     assert not int8_pairs_cpu.packable(torch.ones(64, 64, dtype=torch.int8), torch.float32)  # ATen's layout
+
+
+def _int4_weight(n, k, group, gen):
+    """Random 4-bit codes [N, K], (scale, offset) pairs [K / g, N, 2] in bf16 (scales of both signs)
+    and the weight they stand for, W = (q - 8) * scale + offset, in float64 [N, K]."""
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scale_offsets = (torch.randn(k // group, n, 2, generator=gen) * 0.05).to(torch.bfloat16)
+    s, o = scale_offsets.double().unbind(-1)  # [K / g, N] each
+    weight = (codes.double() - 8) * s.t().repeat_interleave(group, 1) + o.t().repeat_interleave(group, 1)
+    return codes, scale_offsets, weight
+
+
+def _int4_pairs(codes, scale_offsets):
+    return int4_pairs_cpu.pack_codes(codes.t()), int4_pairs_cpu.pack_scale_offsets(scale_offsets)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m,n,k,group", [(1, 64, 576, 64), (1, 192, 256, 32), (1, 128, 256, 256), (2, 64, 128, 128),
+                                         (3, 192, 576, 64), (5, 128, 64, 32), (9, 320, 128, 64), (31, 128, 256, 64),
+                                         (32, 128, 256, 64), (40, 1088, 2048, 128)])
+def test_int4_pairs_linear_matches_the_exact_sum(m, n, k, group, bias):
+    """Below the threshold (32 rows): tiles of up to 4 rows, exact products summed in fp32 per group,
+    the group's scale and offset applied after (ragged tiles too); from it: W rounded to bf16 a tile
+    of blocks at a time and oneDNN's GEMM (1088 x 2048 takes two tiles of 4 MiB)."""
+    gen = torch.Generator().manual_seed(m + n + k + group)
+    codes, scale_offsets, weight = _int4_weight(n, k, group, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    expected = x.double() @ weight.t() + (b.double() if bias else 0)
+    got = torch.ops.qrt_cpu.int4_pairs_linear(x, *_int4_pairs(codes, scale_offsets), group, b,
+                                              int4_pairs_cpu.MIN_ROWS_DEQUANTIZED)
+    # A bf16 output (2**-9); from the threshold on also W rounded to bf16 (2**-9 of each term).
+    terms = x.double().abs() @ weight.abs().t() + (b.double().abs() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_within(got, expected, 2.0**-8 * terms)
+
+
+def test_int4_pairs_layout_holds_each_code_where_the_kernel_reads_it():
+    """Word 2 i + t of step (b, j) holds q[64 b + 16 c + i, 2 j + t] in its nibble c; a block's
+    (scale, offset) pairs of group h lie at (b, h)."""
+    n, k = 128, 6
+    codes = (torch.arange(n * k) * 7 % 16).reshape(n, k).to(torch.int32)  # [N, K]
+    packed = int4_pairs_cpu.pack_codes(codes.t())
+    assert packed.shape == (n // 64, k // 2, 64) and packed.dtype == torch.uint8 and int4_pairs_cpu.is_packed(packed)
+    words = packed.view(torch.int16).to(torch.int32) & 0xFFFF  # [b, j, 32]
+    b, j, i, t, c = torch.meshgrid(torch.arange(n // 64), torch.arange(k // 2), torch.arange(16), torch.arange(2),
+                                   torch.arange(4), indexing="ij")
+    assert torch.equal((words[b, j, 2 * i + t] >> (4 * c)) & 0xF, codes[64 * b + 16 * c + i, 2 * j + t])
+    assert torch.equal(int4_pairs_cpu.unpack_codes(packed), codes.t())
+    pairs = torch.randn(3, n, 2).to(torch.bfloat16)  # [K / g, N, 2]
+    blocked = int4_pairs_cpu.pack_scale_offsets(pairs)
+    assert blocked.shape == (n // 64, 3, 64, 2) and torch.equal(blocked[1, 2, 5], pairs[2, 64 + 5])
+    assert int4_pairs_cpu.output_features(packed) == n
+
+
+def test_int4_pairs_linear_rows_do_not_depend_on_their_batch():
+    """Below the threshold a row's arithmetic is the same alone (M = 1) or in any tile of a batch."""
+    gen = torch.Generator().manual_seed(6)
+    codes, scale_offsets, _ = _int4_weight(192, 576, 64, gen)
+    packed = _int4_pairs(codes, scale_offsets)
+    x = torch.randn(int4_pairs_cpu.MIN_ROWS_DEQUANTIZED - 1, 576, generator=gen).to(torch.bfloat16)
+    together = torch.ops.qrt_cpu.int4_pairs_linear(x, *packed, 64, None, int4_pairs_cpu.MIN_ROWS_DEQUANTIZED)
+    for rows in (slice(0, 1), slice(3, 8), slice(9, 11), slice(29, 31)):
+        alone = torch.ops.qrt_cpu.int4_pairs_linear(x[rows], *packed, 64, None, int4_pairs_cpu.MIN_ROWS_DEQUANTIZED)
+        assert torch.equal(alone, together[rows])
+
+
+def test_int4_pairs_names_what_it_expected():
+    codes, scale_offsets, _ = _int4_weight(64, 128, 64, torch.Generator().manual_seed(0))
+    packed, blocked = _int4_pairs(codes, scale_offsets)
+    x = torch.ones(2, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"bf16 x \[M, 128\] expected"):
+        torch.ops.qrt_cpu.int4_pairs_linear(x[:, :64], packed, blocked, 64, None, 64)
+    with pytest.raises(RuntimeError, match=r"uint8 codes \[N / 64, K / 2, 64\] expected"):
+        torch.ops.qrt_cpu.int4_pairs_linear(x, packed.view(64, 64), blocked, 64, None, 64)
+    with pytest.raises(RuntimeError, match=r"scale_offsets \[1, 2, 64, 2\] expected"):
+        torch.ops.qrt_cpu.int4_pairs_linear(x, packed, scale_offsets, 64, None, 64)
+    with pytest.raises(RuntimeError, match=r"an even group size dividing K = 128"):
+        torch.ops.qrt_cpu.int4_pairs_linear(x, packed, blocked, 48, None, 64)
+    assert not int4_pairs_cpu.packable(100, 128, 64, torch.bfloat16)
+    assert not int4_pairs_cpu.packable(64, 128, 64, torch.float16)  # ATen's pack
 
 
 @pytest.mark.parametrize("activations", ["token", "static"])

@@ -4,9 +4,10 @@ ATen's CPU kernels want their own layouts and conventions, which the loader pass
 the canonical layout (int_reference.py) with the `pack_*` functions below:
 
 - `qrt::int4pack_linear`: `_weight_int4pack_mm_for_cpu`, 4-bit weights in groups of 32, 64, 128
-  or 256 along K (N a multiple of 16). Its dequantization is W = (q - 8) * scale + offset, a float
-  offset per group rather than an integer zero point; (q - z) * s = (q - 8) * s + (8 - z) * s,
-  so offset = (8 - z) * s.
+  or 256 along K (N a multiple of 16), or qrt's own kernel on codes packed for it where it runs
+  (int4_pairs_cpu.py: bf16 models, N a multiple of 64). The dequantization is W = (q - 8) * scale
+  + offset, a float offset per group rather than an integer zero point; (q - z) * s = (q - 8) * s
+  + (8 - z) * s, so offset = (8 - z) * s.
 - `qrt::int8pack_linear`: `_weight_int8pack_mm`, signed int8 weights with one scale per output
   channel and no zero point (or qrt's own kernel on the codes packed in pairs, int8_pairs_cpu.py,
   where it runs). An asymmetric channel (zero point z != 128 in unsigned units) becomes
@@ -14,17 +15,19 @@ the canonical layout (int_reference.py) with the `pack_*` functions below:
 
 Both ops are CompositeImplicitAutograd, so in a compiled graph Inductor sees the matmul call and
 fuses the gathers, corrections and bias around it. Where qrt's own CPU kernels build
-(native_cpu.py), that call is `qrt_cpu::int4pack_mm` / `int8pack_mm`: ATen's kernel below
+(native_cpu.py), that call is qrt's: `qrt_cpu::int4_pairs_linear` on codes in its own pack, or
+`qrt_cpu::int4pack_mm` / `int8pack_mm` on ATen's packs (ATen's kernel below
 `MIN_ROWS_DEQUANTIZED` rows, and from there the codes dequantized to bf16 and one oneDNN GEMM,
-which is faster for prompts (bench/cpu_native_options.py). The choice is made inside the op, at run
-time, so a prefill graph with a dynamic length needs no guard on it. Otherwise the ATen call
-itself (see passes/backend.py for how the int4 call is lowered in graphs without frozen weights). Scales must have the activations' dtype (ATen
-requires it), so they are rounded to the model dtype once, at load time.
+which is faster for prompts; bench/cpu_native_options.py). The choice is made inside the op, at
+run time, so a prefill graph with a dynamic length needs no guard on it. Otherwise the ATen call
+itself (see passes/backend.py for how the int4 call is lowered in graphs without frozen weights).
+Scales must have the activations' dtype (ATen requires it), so they are rounded to the model
+dtype once, at load time.
 """
 
 import torch
 
-from . import native_cpu, pair_layout
+from . import int4_pairs_cpu, native_cpu, pair_layout
 from .choices import Kernel, declare
 from .int_reference import unpack_rows
 
@@ -51,15 +54,17 @@ def int4_cpu_group(k: int, n: int, group_size: int) -> int | None:
 
 
 def pack_int4_for_cpu(qweight, scales, zeros, group_size: int, k: int, cpu_group: int, dtype):
-    """Canonical 4-bit layout -> (packed uint8 [N, K / 2] in ATen's CPU layout,
-    scale_offsets [K / cpu_group, N, 2] in `dtype`)."""
+    """Canonical 4-bit layout -> (packed codes, scale_offsets in `dtype`): for qrt's int4 kernel
+    where it runs (int4_pairs_cpu.py: uint8 [N / 64, K / 2, 64], [N / 64, K / cpu_group, 64, 2]),
+    else ATen's CPU pack (uint8 [N, K / 2], [K / cpu_group, N, 2])."""
     q = unpack_rows(qweight, 4, k)  # [K, N] int32 in [0, 16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous(), 1)
     # Row j of the finer grid belongs to group (j * cpu_group) // group_size of the checkpoint.
     source = torch.arange(k // cpu_group) * cpu_group // group_size  # [K / cpu_group]
     s, z = scales.float()[source], zeros.float()[source]  # [K / cpu_group, N] fp32
     scale_offsets = torch.stack([s, (8.0 - z) * s], dim=-1).to(dtype)  # [K / cpu_group, N, 2]
-    return packed, scale_offsets
+    if int4_pairs_cpu.packable(q.shape[1], k, cpu_group, dtype):
+        return int4_pairs_cpu.pack_codes(q), int4_pairs_cpu.pack_scale_offsets(scale_offsets)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous(), 1), scale_offsets
 
 
 def pack_int8_for_cpu(q, scales, zeros, dtype):
@@ -83,11 +88,16 @@ def pack_int8_for_cpu(q, scales, zeros, dtype):
 
 
 def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):
-    """x: [..., K] in scale_offsets' dtype; packed: uint8 [N, K / 2]. Returns [..., N]."""
+    """x: [..., K] in scale_offsets' dtype; packed: uint8 [N, K / 2] (ATen's pack) or
+    [N / 64, K / 2, 64] (qrt's, int4_pairs_cpu.py). Returns [..., N]."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
     if perm is not None:
         x2 = x2.index_select(1, perm)
+    if int4_pairs_cpu.is_packed(packed):
+        out = torch.ops.qrt_cpu.int4_pairs_linear(x2, packed, scale_offsets, group_size, bias,
+                                                  int4_pairs_cpu.MIN_ROWS_DEQUANTIZED)  # [M, N]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if native_cpu.available():
         out = torch.ops.qrt_cpu.int4pack_mm(x2, packed, group_size, scale_offsets, MIN_ROWS_DEQUANTIZED)  # [M, N]
     else:

@@ -8,7 +8,7 @@ declare which weights they accept, kernels/choices.py) and writes that kernel's 
 | kernel (device)                | accepts                                     | layout after the pass               |
 |--------------------------------|---------------------------------------------|-------------------------------------|
 | `int_linear_triton` (CUDA)     | 2/4/8-bit, contiguous groups                | "packed": int32 words along K + group scales |
-| `int4pack_linear` (CPU)        | 4-bit, groups a multiple of 32, N % 16 == 0 | "int4pack": ATen int4 pack + scale/offset pairs |
+| `int4pack_linear` (CPU)        | 4-bit, groups a multiple of 32, N % 16 == 0 | "int4pack": qrt's or ATen's int4 pack + scale/offset pairs |
 | `int8pack_linear` (CPU)        | 8-bit, one group per channel, K % 16 == 0   | "int8pack": int8 [N, K] or in pairs + channel scales |
 | `aten.linear` (any)            | anything else                               | "dense": dequantized to the model dtype |
 
@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels import pair_layout
+from qrt.kernels import int4_pairs_cpu, pair_layout
 from qrt.kernels.choices import choose
 from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import pack_rows
@@ -121,9 +121,11 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
         cpu_group = int4_cpu_group(k, n, w.group_size)
         packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
                                                   dtype)
-        layer.weight = make_parameter(packed, quant_format=what, kernel=kernel.op,  # [N, K / 2] uint8
-                                      storage_layout=f"ATen int4 CPU pack [N, K/2], g{cpu_group} scale+offset")
-        layer.scale_offsets = make_parameter(scale_offsets)  # [K / g, N, 2] model dtype
+        codes = ("qrt int4 codes [N/64, K/2, 64], scale+offset [N/64, K/g, 64, 2]" if int4_pairs_cpu.is_packed(packed)
+                 else "ATen int4 CPU pack [N, K/2], scale+offset [K/g, N, 2]")
+        # uint8 [N, K / 2] (ATen's) or [N / 64, K / 2, 64] (qrt's)
+        layer.weight = make_parameter(packed, quant_format=what, kernel=kernel.op, storage_layout=f"{codes}, g{cpu_group}")
+        layer.scale_offsets = make_parameter(scale_offsets)  # model dtype, [K / g, N, 2] or [N / 64, K / g, 64, 2]
         layer.cpu_group = cpu_group
     elif layout == INT8PACK:
         weight, scales, zero_terms = pack_int8_for_cpu(w.q, w.scales, w.zeros, dtype)
