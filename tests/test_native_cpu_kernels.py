@@ -7,6 +7,9 @@ weights packed in pairs (csrc/pair_gemv.h) with bf16 weights (dense_bf16_cpu.cpp
 (int8_pairs_cpu.cpp) and e4m3 codes (fp8_pairs_cpu.cpp), and qrt's int4 kernel on its own pack
 (int4_pairs_cpu.cpp)."""
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -24,6 +27,20 @@ pytestmark = pytest.mark.skipif(native_cpu.why_not_wanted() is not None, reason=
 
 def test_the_kernels_build_on_a_cpu_with_their_instructions():
     assert native_cpu.why_unavailable() is None
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """torch's builder would wait forever on a lock a killed build left; a build running now keeps its."""
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch()
+    fresh.touch()
+    long_ago = time.time() - native_cpu.STALE_LOCK_SECONDS - 60
+    os.utime(stale, (long_ago, long_ago))
+    native_cpu._remove_stale_lock(stale)
+    native_cpu._remove_stale_lock(fresh)
+    native_cpu._remove_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and fresh.exists()
+    assert f"removing {stale}" in capsys.readouterr().err
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -115,8 +116,9 @@ def _build_log() -> str | None:
     if shutil.which("ninja") is None:  # the ninja wheel installs beside this interpreter
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    _remove_stale_lock(build_dir / "lock")
     if not any(build_dir.glob(f"{name}*.so")):
-        print("qrt: building its CPU kernels (first use with this torch, about 10 s)", file=sys.stderr, flush=True)
+        print("qrt: building its CPU kernels (first use with this torch, about 30 s)", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -124,6 +126,23 @@ def _build_log() -> str | None:
         return str(error).strip() or repr(error)
     _register_fakes()
     return None
+
+
+# A build takes well under a minute; a lock older than this was left by a build that was killed.
+STALE_LOCK_SECONDS = 600
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch's extension builder waits, silently and forever, for the lock file a build creates
+    and removes; a build killed midway (Ctrl-C, a timeout) leaves it behind."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        print(f"qrt: removing {lock}, left {age / 60:.0f} min ago by a build of its CPU kernels that did not finish",
+              file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
 
 
 def _register_fakes() -> None:
