@@ -35,13 +35,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def per_call_us(op, q, caches, last, rounds: int) -> float:
-    slots, first = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+# One row in cache slot 0, its first entry at position 0: (slots [B], first [B]).
+SLOTS, FIRST = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
 
+
+def per_call_us(op, q, caches, last, rounds: int) -> float:
     def one_round() -> float:
         started = time.perf_counter()
         for k, v in caches:
-            op(q, k, v, slots, first, last, q.shape[-1] ** -0.5, 0.0, None, None)
+            op(q, k, v, SLOTS, FIRST, last, q.shape[-1] ** -0.5, 0.0, None, None)
         return (time.perf_counter() - started) / len(caches)
 
     one_round()
@@ -69,10 +71,8 @@ def main(argv=None) -> None:
     for context in contexts:
         last = torch.tensor([context - 1])
         k, v = caches[0]
-        expected = reference(q, k, v, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), last,
-                             head_dim ** -0.5, 0.0, None, None)
-        got = kernel(q, k, v, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), last,
-                     head_dim ** -0.5, 0.0, None, None)
+        expected = reference(q, k, v, SLOTS, FIRST, last, head_dim ** -0.5, 0.0, None, None)
+        got = kernel(q, k, v, SLOTS, FIRST, last, head_dim ** -0.5, 0.0, None, None)
         torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
         kv_bytes = 2 * kv_heads * context * head_dim * 2
         ring = per_call_us(kernel, q, caches, last, args.rounds)

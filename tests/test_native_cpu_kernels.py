@@ -335,6 +335,15 @@ def _int4_weight(n, k, group, gen):
     return codes, scale_offsets, weight
 
 
+def _unpack_int4_pairs(packed):
+    """The inverse of `int4_pairs_cpu.pack_codes`: uint8 [N / 64, K / 2, 64] -> int32 codes [K, N]."""
+    blocks, half_k, _ = packed.shape
+    words = packed.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [b, j, 32]
+    words = words.view(blocks, half_k, 16, 2)  # [b, j, i, t]
+    parts = torch.stack([(words >> (4 * c)) & 0xF for c in range(4)], dim=2)  # [b, j, c, i, t]
+    return parts.permute(1, 4, 0, 2, 3).reshape(2 * half_k, blocks * int4_pairs_cpu.OUTPUTS_PER_BLOCK)  # [K, N]
+
+
 def _int4_pairs(codes, scale_offsets):
     return int4_pairs_cpu.pack_codes(codes.t()), int4_pairs_cpu.pack_scale_offsets(scale_offsets)
 
@@ -371,7 +380,7 @@ def test_int4_pairs_layout_holds_each_code_where_the_kernel_reads_it():
     b, j, i, t, c = torch.meshgrid(torch.arange(n // 64), torch.arange(k // 2), torch.arange(16), torch.arange(2),
                                    torch.arange(4), indexing="ij")
     assert torch.equal((words[b, j, 2 * i + t] >> (4 * c)) & 0xF, codes[64 * b + 16 * c + i, 2 * j + t])
-    assert torch.equal(int4_pairs_cpu.unpack_codes(packed), codes.t())
+    assert torch.equal(_unpack_int4_pairs(packed), codes.t())
     pairs = torch.randn(3, n, 2).to(torch.bfloat16)  # [K / g, N, 2]
     blocked = int4_pairs_cpu.pack_scale_offsets(pairs)
     assert blocked.shape == (n // 64, 3, 64, 2) and torch.equal(blocked[1, 2, 5], pairs[2, 64 + 5])

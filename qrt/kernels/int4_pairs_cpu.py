@@ -47,15 +47,6 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
     return words.view(torch.uint8).view(n // OUTPUTS_PER_BLOCK, k // 2, STEP_BYTES)
 
 
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_codes`: uint8 [N / 64, K / 2, 64] -> int32 codes [K, N]."""
-    blocks, half_k, _ = packed.shape
-    words = packed.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [b, j, 32]
-    words = words.view(blocks, half_k, 16, 2)  # [b, j, i, t]
-    parts = torch.stack([(words >> (4 * c)) & 0xF for c in range(4)], dim=2)  # [b, j, c, i, t]
-    return parts.permute(1, 4, 0, 2, 3).reshape(2 * half_k, blocks * OUTPUTS_PER_BLOCK)  # [K, N]
-
-
 def pack_scale_offsets(scale_offsets: torch.Tensor) -> torch.Tensor:
     """[K / g, N, 2] -> [N / 64, K / g, 64, 2]: each block's groups together."""
     groups, n, _ = scale_offsets.shape

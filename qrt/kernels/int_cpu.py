@@ -97,7 +97,7 @@ def int4pack_linear(x, packed, scale_offsets, perm, bias, group_size: int):
     if int4_pairs_cpu.is_packed(packed):
         out = torch.ops.qrt_cpu.int4_pairs_linear(x2, packed, scale_offsets, group_size, bias,
                                                   int4_pairs_cpu.MIN_ROWS_DEQUANTIZED)  # [M, N]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], int4_pairs_cpu.output_features(packed))
     if native_cpu.available():
         out = torch.ops.qrt_cpu.int4pack_mm(x2, packed, group_size, scale_offsets, MIN_ROWS_DEQUANTIZED)  # [M, N]
     else:

@@ -29,16 +29,19 @@
 
 #include <immintrin.h>
 
+#include "group_sums.h"
+#include "pair_gemv.h"
+
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kOutputs = 64;          // outputs per block
-constexpr int64_t kStepBytes = 64;        // one step: 64 outputs x 2 columns x 4 bits
-constexpr int64_t kPrefetchBytes = 4096;  // read-ahead within a block, as the other GEMVs
+using qrt_pairs::kOutputs;        // outputs per block, as in the pair GEMV (pair_gemv.h)
+using qrt_pairs::kPrefetchBytes;  // read-ahead within a block
+using qrt_pairs::kRowsPerTile;    // 16 accumulators; a block's codes come from L2 for the later tiles
+constexpr int64_t kStepBytes = 64;  // one step: 64 outputs x 2 columns x 4 bits
 
 // The four registers of a step: bf16 (128 + q) pairs of outputs 16 c .. 16 c + 15 (c = 0 .. 3).
 inline void widen_step(const uint8_t* step, __m512i v[4]) {
@@ -56,13 +59,6 @@ inline void group_scales(const uint16_t* pairs, __m512& scale, __m512& offset) {
   const __m512i bits = _mm512_loadu_si512(pairs);  // (scale, offset) of 16 outputs
   scale = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
   offset = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
 }
 
 struct Int4Weight {
@@ -119,8 +115,6 @@ void rows_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
   }
 }
 
-constexpr int kRowsPerTile = 4;  // 16 accumulators; a block's codes come from L2 for the later tiles
-
 template <int Rows>
 void tile_against_block(const uint16_t* xb, int64_t k, const float* x_sums, const Int4Weight& w, int64_t b, int64_t m0,
                         int64_t rows, const float* bias, uint16_t* dst, int64_t n) {
@@ -134,9 +128,8 @@ void tile_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
 void exact_rows(const at::Tensor& x, const Int4Weight& w, const float* bias, uint16_t* dst) {
   const int64_t m_rows = x.size(0), k = x.size(1), n = w.blocks * kOutputs;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> x_sums(m_rows * w.groups, 0.0f);  // [M, groups]: sum of x per group, in fp32
-  for (int64_t m = 0; m < m_rows; ++m)
-    for (int64_t kk = 0; kk < k; ++kk) x_sums[m * w.groups + kk / (2 * w.group_steps)] += bf16_value(xb[m * k + kk]);
+  std::vector<float> x_sums(m_rows * w.groups);  // [M, groups]: sum of x per group, in fp32
+  for (int64_t m = 0; m < m_rows; ++m) qrt_sums::bf16_group_sums(xb + m * k, k, 2 * w.group_steps, &x_sums[m * w.groups]);
   at::parallel_for(0, w.blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t b = b_begin; b < b_end; ++b)
       for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile)

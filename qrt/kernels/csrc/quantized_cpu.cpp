@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "fp8_codes.h"
+#include "group_sums.h"
 
 #include <immintrin.h>
 
@@ -426,13 +427,8 @@ at::Tensor int4pack_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / group_size;
   at::Tensor xc = x.contiguous();
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  std::vector<float> xs(groups, 0.0f);  // sum of x per group, in fp32
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const uint32_t bits = static_cast<uint32_t>(xb[kk]) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof(value));
-    xs[kk / group_size] += value;
-  }
+  std::vector<float> xs(groups);  // sum of x per group, in fp32
+  qrt_sums::bf16_group_sums(xb, k, group_size, xs.data());
   const uint8_t* src = packed.data_ptr<uint8_t>();
   const uint16_t* so = reinterpret_cast<const uint16_t*>(scale_offsets.data_ptr());  // [K / g, N, 2]
   at::Tensor out = at::empty({1, n}, x.options());
