@@ -9,7 +9,8 @@ cache) as the format defines, in plain torch. Three runs per variant:
 
 - eager in float32 at tp=1: the loader's reading of the producer's files, to summation order;
 - compiled in the checkpoint's own dtype (float16, bfloat16) at tp=1: what a user runs, within
-  that dtype's rounding;
+  that dtype's rounding; the 4-bit variants saved in float16 also in bfloat16, where qrt's own
+  int4 CPU kernel runs them;
 - compiled in float32 at tp=2 over two gloo ranks, in one torchrun for every variant one after
   another: row-parallel ranks quantize their part of each activation row with its own range, which
   the reference does too; every rank's logits are equal bit for bit.
@@ -35,6 +36,7 @@ from tiny_checkpoints import relative_l2
 from tp_worker import teacher_forced_logits
 
 from qrt import runtime
+from qrt.kernels import int4_pairs_cpu
 
 pytestmark = pytest.mark.producers
 
@@ -255,6 +257,24 @@ def test_compiled_in_the_checkpoint_dtype_matches_the_producers_reference(name):
     error = relative_l2(teacher_forced_logits(model, IDS, PREFILL), reference_logits(name, 1))
     assert error < drift_bound(name, 1, dtype, compiled=True), f"{name} ({dtype}): logits off by {error:.2e}"
     # One graph each for the prompt chunk and the decode steps: no graph break, no recompile.
+    assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}, model.compile_report()
+
+
+# The 4-bit weight-only variants saved in float16. A user may run them in bfloat16, where the CPU
+# runs qrt's own int4 kernel and pack (qrt/kernels/int4_pairs_cpu.py) rather than ATen's.
+INT4_IN_FLOAT16 = [name for name in VARIANTS if "w4" in name and not name.endswith("-moe")]
+
+
+@pytest.mark.parametrize("name", INT4_IN_FLOAT16)
+def test_compiled_in_bfloat16_on_qrts_int4_kernel_matches_the_producers_reference(name):
+    folder, info = variant(name)
+    model = runtime.compile_model(folder, dtype=torch.bfloat16, progress=False, warmup=False, max_seq_len=64)
+    packed = [module for module in model.model.modules()
+              if isinstance(getattr(module, "weight", None), torch.Tensor) and int4_pairs_cpu.is_packed(module.weight)]
+    layers = reference_model(name, "float32").config.num_hidden_layers
+    assert len(packed) >= 2 * layers, f"{name}: {len(packed)} linears on qrt's int4 pack"
+    error = relative_l2(teacher_forced_logits(model, IDS, PREFILL), reference_logits(name, 1))
+    assert error < drift_bound(name, 1, "bfloat16", compiled=True), f"{name} (bfloat16): logits off by {error:.2e}"
     assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}, model.compile_report()
 
 
