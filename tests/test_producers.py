@@ -283,7 +283,7 @@ def sharded(tmp_path_factory):
     """Every built variant compiled in float32 at tp=2, one after another in one torchrun."""
     names = [name for name in VARIANTS if name in kit()["built"]]
     jobs = [dict(name=name, path=str(kit_folder() / name), compile=True, dtype="float32", forward=False,
-                 ids=[IDS], prompt=IDS[:PREFILL], steps=4, max_seq_len=64, may_refuse=name in REFUSED_AT_TP2,
+                 ids=[IDS], prompt=IDS[:PREFILL], steps=4, max_seq_len=64,
                  teacher_forced=dict(ids=IDS, prefill=PREFILL)) for name in names]
     folder = tmp_path_factory.mktemp("producers-tp2")
     (folder / "jobs.json").write_text(json.dumps(jobs))
@@ -294,21 +294,11 @@ def sharded(tmp_path_factory):
     return torch.load(folder / "results.pt")
 
 
-# Variants whose layers cannot be split in two, and why. FP8_BLOCK's 128x128 blocks: the bases'
-# k_proj and v_proj have 4 KV heads x 32 = 128 rows, one block, which two ranks would split into
-# halves of 64 rows inside the fused q/k/v layer whose block scales stack per 128 rows (vLLM also
-# requires each rank's rows to be whole blocks).
-REFUSED_AT_TP2 = {"llmc-fp8-block": "not multiples of the 128-row weight block"}
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_compiled_float32_at_tp2_matches_the_producers_reference(name, sharded):
     _, info = variant(name)
     got = sharded[name]
-    if name in REFUSED_AT_TP2:
-        assert got["refused"] and REFUSED_AT_TP2[name] in got["refused"], got["refused"]
-        return
-    assert got["refused"] is None
+    assert got["refused"] is None, got["refused"]
     error = relative_l2(got["teacher_forced"], reference_logits(name, 2))
     assert error < drift_bound(name, 2, "float32", compiled=True), f"{name} at tp=2: logits off by {error:.2e}"
     first, second = (rank["teacher_forced"] for rank in got["ranks"])

@@ -23,6 +23,7 @@ from arch_checkpoints import make_arch_checkpoint
 from bench.random_llama import write_random_llama
 from bench.tp import torchrun_localhost
 from format_cases import CASES
+from fp8_checkpoints import make_fp8_checkpoint
 from moe_checkpoints import make_moe_checkpoint
 from int_checkpoints import make_int_checkpoint
 from test_format_contract import TOLERANCE
@@ -267,6 +268,44 @@ def test_groups_that_a_split_would_cut_are_refused_before_reading(tmp_path, monk
                                                r"'model.layers.0.mlp.down_proj.(qzeros|scales)' does not divide on whole "
                                                r"entries.*largest tp this layer allows is 1"):
         _load_as_rank(folder, 2)
+
+
+@pytest.mark.parametrize("family", ["hf-fp8-block", "ct-fp8-block"])
+def test_block_fp8_rows_that_split_a_block_take_that_blocks_scale(tmp_path, family):
+    # Blocks of 32 rows; k_proj and v_proj have 32 rows (2 KV heads of 16), so each rank holds half
+    # a block of each, and the ranks' q/k/v layers start their k and v rows mid-block. Each rank's
+    # dequantized weight must be its rows of tp=1's, exactly: only which grid row holds a block's
+    # scale changes. (intermediate 192: the row-parallel down_proj splits on whole blocks of K.)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(tiny_checkpoints.TINY, "intermediate_size", 192)
+        make_fp8_checkpoint(tmp_path, family)
+    whole = _dequantized_linears(_load_as_rank(tmp_path, 1))
+    ranks = [_dequantized_linears(_load_as_rank(tmp_path, 2, rank=rank)) for rank in (0, 1)]
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    q_rows, kv_rows = 64, 32  # q, then k and v, in tp=1's layer; each rank has half of each
+    assert [rank[qkv][1] for rank in ranks] == [(16, 32)] * 2, "expected a scale row per 16 rows at tp=2"
+    assert whole[qkv][1] == (32, 32)
+    for start, rows in ((0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows)):
+        halves = [rank[qkv][0][start // 2: (start + rows) // 2] for rank in ranks]
+        assert torch.equal(torch.cat(halves), whole[qkv][0][start: start + rows]), (start, rows)
+    for name in ("model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.o_proj"):
+        column_parallel = name.endswith("gate_up_proj")
+        for rank, part in enumerate(ranks):
+            expected = (whole[name][0].view(2, 2, 96, 64)[:, rank].reshape(192, 64) if column_parallel
+                        else whole[name][0].chunk(2, dim=1)[rank])
+            assert torch.equal(part[name][0], expected), (name, rank)
+
+
+def _dequantized_linears(model) -> dict:
+    """Each block-fp8 linear's dense float32 weight and the (rows, columns) its scale grid runs in."""
+    from qrt.kernels.fp8_block_reference import dequantize_block_fp8
+    found = {}
+    for name, module in model.named_modules():
+        block = getattr(module, "weight_block", None)
+        if block is not None:
+            scale = getattr(module, module.quant_method.cfg.scale_name).data
+            found[name] = (dequantize_block_fp8(module.weight.data, scale, *block, torch.float32), block)
+    return found
 
 
 def test_tp_without_torchrun_names_the_command(llama_dir):

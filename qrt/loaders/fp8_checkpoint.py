@@ -22,8 +22,8 @@ from qrt.kernels.fp8_block_reference import dequantize_block_fp8
 from qrt.kernels.fp8_reference import FP8_DTYPE
 
 from .errors import ConfigError, TensorMismatch, UnsupportedError
-from .linear import LinearMethod, ShardLayout, check_shape, copy_rows, make_parameter, replace_parameter
-from .tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE
+from .linear import LinearMethod, check_shape, copy_rows, make_parameter, replace_parameter
+from .tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE, TensorSplit
 from .quant import QuantScheme, read_json
 from .registry import CompressedTensorsGroup, compressed_tensors_format, side_file, stored_format
 
@@ -74,9 +74,14 @@ def _load_input_scale(param, loaded, shard_id, *, layout):
     param.data[slot] = float(loaded.reshape(()))
 
 
-def _load_block_scale(param, loaded, shard_id, *, layout):
+def _load_block_scale(param, loaded, shard_id, *, grid):
     _check_scale(loaded)
-    copy_rows(param, loaded, shard_id, layout=layout)
+    first, picked, checkpoint_rows = grid.rows(shard_id)
+    if loaded.dim() != 2 or loaded.shape[0] != checkpoint_rows or loaded.shape[1] != param.shape[1]:
+        raise TensorMismatch(f"block scale grid has shape {list(loaded.shape)}, expected [{checkpoint_rows}, "
+                             f"{param.shape[1]}] (one row per {grid.block_rows} output rows, one column per block of "
+                             f"input channels)")
+    param.data.narrow(0, first, picked.numel()).copy_(loaded[picked])
 
 
 def _check_scale(loaded):
@@ -88,6 +93,9 @@ def _check_scale(loaded):
                              f"values; a scale must be a positive finite multiplier")
 
 
+BLOCK_GRID = TensorSplit(n_dim=None, k_dim=1)
+
+
 class Fp8CheckpointLinearMethod(LinearMethod):
     name = "fp8"
 
@@ -95,8 +103,10 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         super().__init__(layout)
         self.family = family
         # Per-tensor scales (one per fused shard) go whole to every rank, per-channel ones follow
-        # the output rows, a block-scale grid runs along both axes in whole blocks.
-        weight_scale = {"tensor": WHOLE, "channel": OUTPUT_VECTOR, "block": DENSE_WEIGHT}[layout.weight]
+        # the output rows. A block-scale grid is cut along K in whole blocks; every rank reads all
+        # its rows (a few hundred bytes), and its loader picks the blocks the rank's rows lie in
+        # (BlockScaleRows), which need not be whole.
+        weight_scale = {"tensor": WHOLE, "channel": OUTPUT_VECTOR, "block": BLOCK_GRID}[layout.weight]
         self.shard_rule = {"weight": DENSE_WEIGHT, layout.scale_name: weight_scale, "input_scale": WHOLE}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
@@ -108,8 +118,10 @@ class Fp8CheckpointLinearMethod(LinearMethod):
             weight_loader=partial(_load_fp8_weight, layout=shards), input_dim=1, output_dim=0, quant_format=self.name,
         )
         if spec.weight == "block":
-            scales = torch.empty(math.ceil(n / spec.block[0]), math.ceil(k / spec.block[1]))  # [N/bn, K/bk] fp32
-            loader = partial(_load_block_scale, layout=_block_layout(layer, spec.block[0]))
+            grid = BlockScaleRows.of(layer, spec.block[0])
+            layer.weight_block = (grid.rows_per_scale, spec.block[1])
+            scales = torch.empty(math.ceil(n / grid.rows_per_scale), math.ceil(k / spec.block[1]))  # [N/r, K/bk] fp32
+            loader = partial(_load_block_scale, grid=grid)
         else:
             scales = torch.empty(n)  # [N] fp32: per-tensor scales expanded to their shard's rows
             loader = partial(_load_scale_into_rows, layout=shards)
@@ -132,7 +144,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
             return torch.ops.qrt.fp8_linear(x, layer.weight, scale, layer.bias)
         if spec.activation == STATIC_TENSOR:
             return torch.ops.qrt.fp8_static_linear(x, layer.weight, scale, layer.input_scale, layer.bias)
-        return torch.ops.qrt.fp8_block_linear(x, layer.weight, scale, layer.bias, spec.block[0], spec.block[1])
+        return torch.ops.qrt.fp8_block_linear(x, layer.weight, scale, layer.bias, *layer.weight_block)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         spec = self.cfg
@@ -152,7 +164,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
             # The scale grid becomes ones, so the reference op, which multiplies the two, still
             # computes the same weight when a model runs eagerly.
             scales = getattr(layer, spec.scale_name).data
-            widened = dequantize_block_fp8(layer.weight.data, scales, spec.block[0], spec.block[1], dtype)
+            widened = dequantize_block_fp8(layer.weight.data, scales, *layer.weight_block, dtype)
             replace_parameter(layer, spec.scale_name, torch.ones_like(scales))  # [N/bn, K/bk]
             note = "dequantized with block scales"
         elif kernel.layout == "widened":
@@ -164,16 +176,46 @@ class Fp8CheckpointLinearMethod(LinearMethod):
                           storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] {note} ({self.family})")
 
 
-def _block_layout(layer, block_rows: int) -> ShardLayout | None:
-    """Shard layout of a block-scale grid: each shard's rows counted in blocks."""
-    shards = layer.shard_layout
-    if shards is None:
-        return None
-    sizes = [size for _, size in shards.offsets.values()]
-    if any(size % block_rows for size in sizes[:-1]):
-        raise UnsupportedError(f"fused shards of sizes {sizes} are not multiples of the {block_rows}-row weight "
-                               f"block, so their block scales cannot be stacked")
-    return ShardLayout.stacked(shards.shard_ids, [math.ceil(size / block_rows) for size in sizes])
+@dataclass(frozen=True)
+class BlockScaleRows:
+    """Where the rows of a block-scale grid go in one layer.
+
+    A checkpoint's grid has a row per `block_rows` output rows of each shard (q, k, v; gate, up).
+    A layer keeps one scale row per `rows_per_scale` of its own rows: block_rows when every
+    shard's rows start and end on whole blocks, else the largest divisor of block_rows that all
+    of them start on and (but the last) end on. A rank whose rows split a block (tp=2 of a
+    128-row k_proj holds 64) then takes that block's scale for its rows, and a fused layer never
+    stacks two shards' rows under one scale. The weight is unchanged: each of its rows is
+    multiplied by the scale of the block it belongs to, whichever grid says so.
+
+    shards: shard id -> (the shard's first row in this layer, its first row in the checkpoint
+    tensor, its row count here, the checkpoint tensor's row count)."""
+
+    block_rows: int
+    rows_per_scale: int
+    shards: dict
+
+    @classmethod
+    def of(cls, layer, block_rows: int) -> "BlockScaleRows":
+        layout, slices = layer.shard_layout, layer.n_slices
+        ids = (None,) if layout is None else layout.shard_ids
+        sizes = [layer.output_size] if layout is None else layout.sizes
+        starts = [0] * len(ids) if slices is None else [part.start for part in slices]
+        offsets = [sum(sizes[:i]) for i in range(len(ids))]
+        rows_per_scale = math.gcd(block_rows, *starts, *sizes[:-1])
+        shards = {shard_id: (offset, start, size, full)
+                  for shard_id, offset, start, size, full in zip(ids, offsets, starts, sizes, layer.full_shard_sizes,
+                                                                 strict=True)}
+        return cls(block_rows, rows_per_scale, shards)
+
+    def rows(self, shard_id) -> tuple[int, torch.Tensor, int]:
+        """(The shard's first scale row in the layer's grid, the checkpoint grid rows it takes in
+        order, the checkpoint grid's row count)."""
+        if shard_id not in self.shards:
+            raise TensorMismatch(f"unknown shard {shard_id!r}; this layer has {list(self.shards)}")
+        offset, start, size, full = self.shards[shard_id]
+        picked = torch.arange(start, start + size, self.rows_per_scale) // self.block_rows  # [ceil(size / r)]
+        return offset // self.rows_per_scale, picked, math.ceil(full / self.block_rows)
 
 
 def _fp8_scheme(layout: Fp8Layout, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
