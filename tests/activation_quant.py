@@ -67,9 +67,15 @@ def with_int8_lm_head(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _address(view: torch.Tensor) -> tuple[int, int]:
+    """Where a slice of a stacked parameter lies: (its storage, its first element)."""
+    return view.untyped_storage().data_ptr(), view.data_ptr()
+
+
 class _RoundLinearInputs(TorchFunctionMode):
-    """Rounds F.linear's input by its weight's storage (a slice of stacked experts shares it):
-    `by_storage` maps a storage to its rounding (None: left as it is), `default` rounds the rest."""
+    """Rounds F.linear's input by its weight's address (_address: one expert of a stacked
+    parameter), else by its storage (every slice of stacked experts shares it): `by_storage` maps
+    either to its rounding (None: left as it is), `default` rounds the rest."""
 
     def __init__(self, by_storage: dict, default, outputs):
         super().__init__()
@@ -79,7 +85,8 @@ class _RoundLinearInputs(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
             x, weight, *rest = args
-            rounding = self.by_storage.get(weight.untyped_storage().data_ptr(), self.default)
+            rounding = self.by_storage.get(_address(weight), self.by_storage.get(
+                weight.untyped_storage().data_ptr(), self.default))
             if rounding is not None:
                 out = func(rounding(x).to(x.dtype), weight, *rest, **kwargs)
                 return out if self.outputs is None else self.outputs(out).to(out.dtype)
@@ -106,7 +113,8 @@ def with_rounded_weights(model: torch.nn.Module, rounding) -> torch.nn.Module:
 def rounded_inputs(model: torch.nn.Module, rounding, outputs=None):
     """Within the block, the linears of `model` see their input through `rounding`: a function for
     every linear but the unquantized ones; a dict {parameter name: function} for those weights
-    only; or None (the block runs as it is, for formats that keep activations as they are).
+    only, where a key (name, e) stands for expert e of a stacked [E, N, K] parameter alone; or
+    None (the block runs as it is, for formats that keep activations as they are).
     `outputs`, if given, rounds what those linears return (a kernel's own rounding of its sums)."""
     if rounding is None:
         yield
@@ -118,7 +126,8 @@ def rounded_inputs(model: torch.nn.Module, rounding, outputs=None):
                       if name.removesuffix(".weight").endswith(UNQUANTIZED)}
         default = rounding
     else:
-        by_storage = {parameters[name].untyped_storage().data_ptr(): fn for name, fn in rounding.items()}
+        by_storage = {_address(parameters[key[0]][key[1]]) if isinstance(key, tuple)
+                      else parameters[key].untyped_storage().data_ptr(): fn for key, fn in rounding.items()}
         default = None
     if hasattr(model, "set_experts_implementation"):
         # transformers' default for stacked experts is a grouped matmul; its "eager" loop runs
