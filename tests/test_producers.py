@@ -71,9 +71,9 @@ SUMMATION_ORDER = 1e-5
 #   SUMMATION_ORDER), and the layer-by-layer test below, which feeds both sides the same inputs
 #   and has no drift, holds every quantized linear and every MoE block's routed experts to
 #   SUMMATION_ORDER. A misplaced or missing scale costs 10% or more of a layer's output, and an
-#   expert's 5% one 5e-2 of its block's. On the MoE variants with e4m3 activations the reference's
-#   move includes routing choices that flip (about 5e-2), so their whole-model bound is loose and
-#   the layer-by-layer test is the one that holds them tight.
+#   expert's 5% one 5e-2 of its block's. On the FP8 MoE variant the reference itself moves by
+#   4.6e-2 (float64 or nudged), so its whole-model bound is 0.18, while qrt lands within 1e-6 of
+#   the reference: the layer-by-layer test is the one that holds it tight.
 
 
 def kit_folder() -> Path:
