@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from qrt import runtime  # noqa: E402
-from qrt.loaders.registry import online_formats  # noqa: E402
+from qrt.formats.catalog import online_formats  # noqa: E402
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper.",

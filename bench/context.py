@@ -29,7 +29,7 @@ from bench.measure import (fmt_spread, log, machine_state, name_list, positive_i
                            print_table, prompt_ids)
 from bench.quants import QUANTS  # noqa: E402
 from bench.suite import Runner, resolve_model  # noqa: E402
-from qrt.loaders.config import read_hf_config  # noqa: E402
+from qrt.checkpoint.config import read_hf_config  # noqa: E402
 
 ENGINES = ("qrt", "llama.cpp")
 

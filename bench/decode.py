@@ -48,9 +48,9 @@ import torch  # noqa: E402
 from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_state, name_list,  # noqa: E402
                            positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_decodes,
                            timed_runs, TokenClock, TransformersClock, wall_time)
-from qrt.loaders.config import read_hf_config  # noqa: E402
+from qrt.checkpoint.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
-from qrt.loaders.registry import online_formats  # noqa: E402
+from qrt.formats.catalog import online_formats  # noqa: E402
 
 HF = "transformers eager bf16"
 

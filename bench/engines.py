@@ -69,7 +69,7 @@ def load_qrt(job: dict):
     import torch
 
     from bench.roofline import expert_weight_bytes, weight_bytes_per_token
-    from qrt.loaders.config import LoadConfig
+    from qrt.checkpoint.config import LoadConfig
     from qrt.runtime import compile_model
 
     torch.set_num_threads(job["threads"])

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from qrt.loaders.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
+from qrt.checkpoint.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0

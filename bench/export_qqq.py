@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from qrt.loaders.qqq import channel_scale_permutation, group_scale_permutation, weight_permutation  # noqa: E402
-from qrt.loaders.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
+from qrt.formats.qqq import channel_scale_permutation, group_scale_permutation, weight_permutation  # noqa: E402
+from qrt.checkpoint.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from qrt.loaders.registry import online_formats  # noqa: E402
+from qrt.formats.catalog import online_formats  # noqa: E402
 from qrt.runtime.evaluate import DEFAULT_TEXT, DEFAULT_WINDOW, check_window, perplexity_of_text, read_text  # noqa: E402
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

@@ -32,7 +32,7 @@ from bench.measure import (fmt_ratio, fmt_spread, machine_state, name_list, posi
                            print_machine_state, print_table, prompt_ids)
 from bench.quants import QUANTS  # noqa: E402
 from bench.suite import HF_EAGER, Runner, resolve_model  # noqa: E402
-from qrt.loaders.config import read_hf_config  # noqa: E402
+from qrt.checkpoint.config import read_hf_config  # noqa: E402
 
 BUILDS = ("regional", "frozen")
 DEPTHS = (16, 60)

@@ -58,9 +58,9 @@ from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list,
                            print_machine_state, print_table, prompt_ids)
 from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,  # noqa: E402
                             roofline_tok_s)
-from qrt.loaders.config import read_hf_config  # noqa: E402
+from qrt.checkpoint.config import read_hf_config  # noqa: E402
 from bench.quants import QUANTS  # noqa: E402
-from qrt.loaders.registry import online_formats  # noqa: E402
+from qrt.formats.catalog import online_formats  # noqa: E402
 
 ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")

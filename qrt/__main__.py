@@ -2,6 +2,6 @@
 
 import sys
 
-from qrt.runtime.cli import main
+from qrt.cli import main
 
 sys.exit(main())

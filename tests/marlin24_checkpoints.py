@@ -4,7 +4,7 @@ The packer follows the producer's steps (compressed-tensors' Marlin24Compressor)
 4 weights along K by magnitude, quantize symmetric 4-bit, keep the two entries of each run of 4
 with CUTLASS's position encoding, scatter the metadata into CUTLASS's reordered layout, cut the
 kept codes + 8 into Marlin tiles, permute and pack them, and permute the scales. It is written
-from docs/formats.md §3.8 and the producer's rules, independently of loaders/ct_marlin24.py (bit
+from docs/formats.md §3.8 and the producer's rules, independently of formats/compressed_tensors/marlin24.py (bit
 shuffles here, index arithmetic there), so the tests compare two implementations.
 """
 

@@ -248,7 +248,7 @@ def test_older_config_layouts_read_as_transformers_reads_them(name):
 
 
 def test_inspect_of_an_unknown_architecture_names_every_supported_one(tmp_path, capsys):
-    from qrt.runtime.cli import main
+    from qrt.cli import main
 
     make_arch_checkpoint(tmp_path, "mistral")
     config = json.loads((tmp_path / "config.json").read_text())

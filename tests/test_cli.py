@@ -1,7 +1,7 @@
 """The command line: inspect, dump and generate on a tiny checkpoint."""
 
 from kernel_checks import fp8_cpu_kernel
-from qrt.runtime.cli import main
+from qrt.cli import main
 
 FP8_KERNEL = fp8_cpu_kernel("qrt.fp8_linear")
 

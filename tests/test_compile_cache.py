@@ -8,7 +8,7 @@ import pytest
 
 from graph_checks import assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
-from qrt.runtime import cli
+from qrt import cli
 from qrt.runtime.compile_cache import MAGIC, CompileCache, checkpoint_identity, entry_key, list_entries
 from tiny_checkpoints import edited_copy
 

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qrt import runtime
-from qrt.loaders.ct_marlin24 import (CtMarlin24Config, CtMarlin24LinearMethod, group_scale_permutation, meta_positions,
-                                 unpack_marlin24, unpermute_scales, weight_permutation)
-from qrt.loaders.errors import CheckpointError, UnsupportedError
+from qrt.formats.compressed_tensors.marlin24 import (CtMarlin24Config, CtMarlin24LinearMethod,
+                                                     group_scale_permutation, meta_positions, unpack_marlin24,
+                                                     unpermute_scales, weight_permutation)
+from qrt.errors import CheckpointError, UnsupportedError
 from marlin24_checkpoints import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
 from tiny_checkpoints import edited_copy, relative_l2
 

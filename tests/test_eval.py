@@ -10,8 +10,8 @@ import torch
 
 from qrt import runtime
 from bench import quality
-from qrt.loaders.registry import online_formats
-from qrt.runtime.cli import main
+from qrt.formats.catalog import online_formats
+from qrt.cli import main
 from qrt.runtime.evaluate import DEFAULT_TEXT, encode, perplexity_of_ids, perplexity_of_text, plan_windows, read_text
 
 WINDOW, STRIDE = 32, 12

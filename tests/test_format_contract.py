@@ -14,8 +14,8 @@ from safetensors import safe_open
 from tiny_checkpoints import edited_copy, relative_l2
 
 from qrt import runtime
-from qrt.loaders.config import DeviceConfig
-from qrt.loaders.errors import CheckpointError
+from qrt.checkpoint.config import DeviceConfig
+from qrt.errors import CheckpointError
 from qrt.passes.backend import QrtBackend
 from qrt.passes.manager import passes_for
 from qrt.runtime.compiled import own_copy

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from qrt.loaders.errors import UnsupportedError
-from qrt.loaders.quant import resolve_scheme
-from qrt.loaders.registry import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
-                                  stored_formats)
-from qrt.runtime.cli import _parser
+from qrt.errors import UnsupportedError
+from qrt.formats.resolve import resolve_scheme
+from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
+                                 stored_formats)
+from qrt.cli import _parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -73,7 +73,7 @@ def test_compressed_tensors_transforms_are_refused():
 
 
 def test_a_format_registers_once():
-    from qrt.loaders.registry import online_format
+    from qrt.formats.registry import online_format
 
     with pytest.raises(ValueError, match="registered twice"):
         online_format("fp8", summary="again")(lambda names: None)
@@ -81,7 +81,7 @@ def test_a_format_registers_once():
 
 def test_a_device_without_a_kernel_for_the_format_is_named(llama_dir):
     from qrt import runtime
-    from qrt.loaders.config import DeviceConfig
+    from qrt.checkpoint.config import DeviceConfig
 
     with pytest.raises(UnsupportedError, match=r"model\.layers\.0\.self_attn\.qkv_proj: fp8 weights cannot run on "
                                                r"mps: no kernel computes qrt\.fp8_linear on mps"):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from qrt import runtime
 from fp8_checkpoints import FAMILIES, make_fp8_checkpoint
 from kernel_checks import fp8_cpu_kernel
-from qrt.loaders.errors import CheckpointError, UnsupportedError
+from qrt.errors import CheckpointError, UnsupportedError
 from tiny_checkpoints import relative_l2
 
 EXPECTED = {  # family -> (words inspect/describe must show, logical op, CPU kernel op)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from qrt import runtime
-from qrt.loaders.errors import QrtError
+from qrt.errors import QrtError
 
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "vocab_size", "rms_norm_eps", "rope_theta", "architectures",

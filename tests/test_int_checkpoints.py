@@ -11,9 +11,9 @@ import torch
 from graph_checks import decode_without_recompiles
 from qrt import runtime
 from int_checkpoints import ct_config, make_int_checkpoint
-from qrt.loaders.config import LoadConfig
-from qrt.loaders.errors import CheckpointError, UnsupportedError
-from qrt.loaders.int_online import quantize_int_rows
+from qrt.checkpoint.config import LoadConfig
+from qrt.errors import CheckpointError, UnsupportedError
+from qrt.formats.int_online import quantize_int_rows
 from tiny_checkpoints import edited_copy, relative_l2
 
 

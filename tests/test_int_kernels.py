@@ -16,7 +16,7 @@ from kernel_checks import random_rows
 from qrt.kernels import native_cpu, pair_layout
 from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import int_linear_reference, unpack_rows
-from qrt.loaders.int_weights import IntWeights, apply_int_layout, install_int_weights
+from qrt.formats.int_weights import IntWeights, apply_int_layout, install_int_weights
 from tiny_checkpoints import relative_l2
 
 

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from int_checkpoints import AWQ_ORDER, pack_fields, to_int32
 from qrt.kernels.int_reference import pack_rows, unpack_rows
-from qrt.loaders.awq import unpack_awq
-from qrt.loaders.ct_int import _load_zero_point
-from qrt.loaders.gptq import gptq_zero_points
-from qrt.loaders.linear import ShardLayout
+from qrt.formats.awq import unpack_awq
+from qrt.formats.compressed_tensors.int_weight_only import _load_zero_point
+from qrt.formats.gptq import gptq_zero_points
+from qrt.layers.linear import ShardLayout
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

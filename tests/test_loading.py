@@ -10,7 +10,7 @@ from torch import nn
 
 from kernel_checks import fp8_cpu_kernel
 from qrt import runtime
-from qrt.loaders.errors import CheckpointError, ConfigError, UnsupportedError
+from qrt.errors import CheckpointError, ConfigError, UnsupportedError
 
 
 def load_eager(folder, quant=None, **kwargs):

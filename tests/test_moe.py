@@ -20,7 +20,7 @@ from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_qua
                              online_int_reference)
 from kernel_checks import fp8_cpu_kernel
 from qrt import runtime
-from qrt.loaders.errors import CheckpointError
+from qrt.errors import CheckpointError
 from qrt.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from qrt.runtime.models.mla import cache_bytes_per_token
 from tiny_checkpoints import relative_l2
@@ -328,7 +328,7 @@ def test_the_swap_pass_puts_the_recorded_experts_kernel_in_place(qwen2_moe, quan
     Triton experts kernel where it reads them), the swap pass puts it in place of the reference
     loop whichever of the format's tensors carries the record, and it computes what the reference
     does (Triton kernels under the interpreter)."""
-    from qrt.loaders.config import DeviceConfig
+    from qrt.checkpoint.config import DeviceConfig
     from qrt.passes.backend import QrtBackend
     from qrt.runtime.compiled import own_copy
 
@@ -361,7 +361,7 @@ def test_the_kernels_loop_runs_each_experts_chosen_kernel(qwen2_moe, quant, subs
     loop: fp8 experts call the logical op, which their CPU kernel replaces; int4 ones call their
     kernel op themselves (an opaque layout); bf16 ones the dense GEMM."""
     from qrt.kernels.choices import kernel_named
-    from qrt.loaders.experts import KernelInPlaceOfLogicalOp
+    from qrt.layers.experts import KernelInPlaceOfLogicalOp
 
     folder, _ = qwen2_moe
     model = runtime.compile_model(folder, quant, compile=False, progress=False, max_seq_len=64)
@@ -379,7 +379,7 @@ def test_bf16_experts_are_prepacked_one_carrier_per_block(tmp_path):
     """Compiled CPU builds prepack dense experts for oneDNN: expert e's slice of the block's
     carrier finds expert e's packed weight, and the experts compute what the dense ones do."""
     from qrt.kernels.onednn_cpu import is_prepacked, onednn_prepack_supported
-    from qrt.loaders.prepack import prepack_cpu_weights
+    from qrt.layers.prepack import prepack_cpu_weights
 
     if not onednn_prepack_supported(torch.bfloat16):
         pytest.skip("this CPU has no bf16 oneDNN linear")

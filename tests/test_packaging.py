@@ -51,6 +51,7 @@ def test_wheel_has_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"qrt", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
                                                       + ".dist-info"}
-    for layer in ("runtime", "loaders", "kernels", "passes"):
+    for layer in ("runtime", "server", "checkpoint", "formats", "formats/compressed_tensors", "layers", "kernels",
+                  "passes"):
         assert f"qrt/{layer}/__init__.py" in names
     assert "qrt/runtime/data/eval_text.txt" in names

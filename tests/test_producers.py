@@ -40,7 +40,7 @@ from tp_worker import teacher_forced_logits
 
 from qrt import runtime
 from qrt.kernels import int4_pairs_cpu
-from qrt.loaders.experts import FusedExperts
+from qrt.layers.experts import FusedExperts
 
 pytestmark = pytest.mark.producers
 

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qrt.loaders.qqq import (channel_scale_permutation, group_scale_permutation, unpack_qqq_weight, unpermute_columns,
-                         weight_permutation)
+from qrt.formats.qqq import (channel_scale_permutation, group_scale_permutation, unpack_qqq_weight,
+                             unpermute_columns, weight_permutation)
 from w8a8_checkpoints import qqq_pack, qqq_permute_scales
 
 

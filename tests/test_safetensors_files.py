@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qrt.loaders.errors import CheckpointError
-from qrt.loaders.safetensors_files import iter_tensors, read_header
+from qrt.errors import CheckpointError
+from qrt.checkpoint.safetensors_files import iter_tensors, read_header
 
 
 @pytest.fixture

@@ -30,12 +30,12 @@ from test_format_contract import TOLERANCE
 from tiny_checkpoints import make_checkpoint, relative_l2
 
 from qrt import runtime
-from qrt.loaders.checkpoint import SafetensorsCheckpoint
-from qrt.loaders.config import DeviceConfig, LoadConfig
-from qrt.loaders.errors import ConfigError, UnsupportedError
-from qrt.loaders.loader import load_model
-from qrt.loaders.quant import resolve_scheme
-from qrt.loaders.tensor_parallel import Parallelism
+from qrt.checkpoint.source import SafetensorsCheckpoint
+from qrt.checkpoint.config import DeviceConfig, LoadConfig
+from qrt.errors import ConfigError, UnsupportedError
+from qrt.checkpoint.loader import load_model
+from qrt.formats.resolve import resolve_scheme
+from qrt.layers.tensor_parallel import Parallelism
 from qrt.runtime.registry import ModelRegistry
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -258,7 +258,7 @@ def test_groups_that_a_split_would_cut_are_refused_before_reading(tmp_path, monk
     folder = tmp_path / "gptq"
     config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
     make_int_checkpoint(folder, "gptq", config, bits=4, group_size=32)
-    from qrt.loaders import safetensors_files
+    from qrt.checkpoint import safetensors_files
 
     def no_reads(*args, **kwargs):
         raise AssertionError("a weight was read before the refusal")

@@ -15,9 +15,9 @@ import qrt.kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
 from graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from qrt.kernels.w4a8_reference import w4a8_int8_weights
-from qrt.loaders.ct_w8a8 import merge_static_inputs
-from qrt.loaders.errors import CheckpointError, ConfigError, UnsupportedError
-from qrt.loaders.qqq import QqqLinearMethod, qqq_config
+from qrt.formats.compressed_tensors.int_w8a8 import merge_static_inputs
+from qrt.errors import CheckpointError, ConfigError, UnsupportedError
+from qrt.formats.qqq import QqqLinearMethod, qqq_config
 from tiny_checkpoints import edited_copy, relative_l2
 from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
 

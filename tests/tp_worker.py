@@ -25,7 +25,7 @@ import torch.distributed as dist
 from graph_checks import no_recompiles  # beside this script, which torchrun runs from tests/
 
 from qrt import runtime
-from qrt.loaders.errors import UnsupportedError
+from qrt.errors import UnsupportedError
 
 
 def run(job: dict) -> dict:

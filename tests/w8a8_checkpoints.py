@@ -4,7 +4,7 @@ tiny transformers model: compressed-tensors `int-quantized` W8A8 and QQQ W4A8.
 Each builder quantizes every decoder linear the way its producer does, writes the tensors, and
 puts the dequantized weights back into the transformers model, which is then the "dequantize,
 then run transformers" reference (its activations stay unquantized). The QQQ packer here is
-written independently of loaders/qqq.py, from docs/formats.md §6.4: it maps each value forward to its
+written independently of formats/qqq.py, from docs/formats.md §6.4: it maps each value forward to its
 word and nibble, where the loader gathers them back; a test compares the two.
 """
 

@@ -39,7 +39,7 @@ def bf16_pairs_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], output_features(packed))
 
 
-# Not chosen by a loader pass: prepack_cpu_weights (loaders/prepack.py) packs a dense layer's bf16
+# Not chosen by a loader pass: prepack_cpu_weights (layers/prepack.py) packs a dense layer's bf16
 # weight for this op after the loader pass, where qrt's library is built; oneDNN's prepacked linear
 # is the other choice there.
 declare(Kernel(

@@ -5,7 +5,7 @@
 Each expert is a gated MLP whose two projections are quantized linears of the checkpoint's format.
 The op receives the experts' weights stacked, one tensor [E, ...] per parameter of a projection,
 and a name (`experts`) under which the loader registered how one expert's slice of those tensors
-is applied: the format's own linear (loaders/experts.py). So every format that runs a linear layer
+is applied: the format's own linear (layers/experts.py). So every format that runs a linear layer
 runs experts. Two ops share the loop:
 - `qrt::fused_experts`, the reference the layers call (and eager mode runs): each expert through
   its format's logical ops;

@@ -10,7 +10,7 @@ outputs lie across the vector lanes (no horizontal sums) and the activations nee
 zero-padded copy (bench/cpu_native_options.py).
 
 Like the bf16 pairs, this layout is made by the loader step for compiled CPU models
-(loaders/prepack.py), after the loader pass chose `qrt.fp8_linear_native_cpu` or its static
+(layers/prepack.py), after the loader pass chose `qrt.fp8_linear_native_cpu` or its static
 variant: eager models keep [N, K] codes, so eager mode stays the reference. A layer whose weight
 is packed calls `linear` below instead of its logical op.
 
@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bi
     return out.reshape(*x.shape[:-1], packed.shape[0] * OUTPUTS_PER_BLOCK)
 
 
-# Not chosen by a loader pass: prepack_cpu_weights (loaders/prepack.py) packs the codes of layers
+# Not chosen by a loader pass: prepack_cpu_weights (layers/prepack.py) packs the codes of layers
 # whose kernel is qrt's fp8 GEMV (per channel or per tensor, dynamic or static activations).
 declare(Kernel(
     "qrt_cpu.fp8_pairs_linear", devices=("cpu",), serves=(), layout="fp8 pairs",

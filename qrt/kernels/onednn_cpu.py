@@ -105,7 +105,7 @@ declare(Kernel(
     "aten.linear", devices=("cpu", "cuda"), serves=("aten.linear", "qrt.int_linear"), layout="dense", preference=100,
     prepackable=True, why="a dense GEMM in the model dtype: weights as stored, or dequantized where no quantized "
                           "kernel runs them"))
-# Not chosen by a loader pass: prepack_cpu_weights (loaders/prepack.py) turns a prepackable layer's
+# Not chosen by a loader pass: prepack_cpu_weights (layers/prepack.py) turns a prepackable layer's
 # dense weight into a carrier for this op after the loader pass.
 declare(Kernel(
     "qrt.onednn_linear", devices=("cpu",), serves=(), layout="prepacked",

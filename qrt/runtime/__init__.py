@@ -1,7 +1,7 @@
 """qrt: a torch.compile-first runtime for quantized LLM checkpoints."""
 
-from qrt.loaders.config import DeviceConfig, LoadConfig
-from qrt.loaders.errors import CheckpointError, ConfigError, QrtError, UnsupportedError
+from qrt.checkpoint.config import DeviceConfig, LoadConfig
+from qrt.errors import CheckpointError, ConfigError, QrtError, UnsupportedError
 
 from .compiled import CompiledModel, compile_model
 from .registry import ModelRegistry

@@ -31,7 +31,6 @@ import torch
 
 MAGIC = b"qrt-compile-cache 1\n"
 SUFFIX = ".qrtc"
-_QRT_PACKAGES = ("runtime", "loaders", "passes", "kernels")
 
 
 def cache_root() -> Path:
@@ -71,13 +70,12 @@ def use_qrt_inductor_dir() -> Path:
 
 @cache
 def qrt_source_hash() -> str:
-    """SHA-256 over every Python file of qrt's four packages: any edit invalidates every entry."""
+    """SHA-256 over every Python file of qrt: any edit invalidates every entry."""
     digest = hashlib.sha256()
     top = Path(__file__).resolve().parents[1]
-    for package in _QRT_PACKAGES:
-        for path in sorted((top / package).rglob("*.py")):
-            digest.update(str(path.relative_to(top)).encode())
-            digest.update(path.read_bytes())
+    for path in sorted(top.rglob("*.py")):
+        digest.update(str(path.relative_to(top)).encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 

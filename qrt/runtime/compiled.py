@@ -12,12 +12,12 @@ import torch
 from torch._inductor import config as inductor_config
 from torch.compiler._cache import CacheArtifactManager
 
-from qrt.loaders.checkpoint import open_checkpoint
-from qrt.loaders.config import DeviceConfig, LoadConfig
-from qrt.loaders.loader import load_model
-from qrt.loaders.prepack import prepack_cpu_weights
-from qrt.loaders.quant import resolve_scheme
-from qrt.loaders.tokenizer import eos_token_ids
+from qrt.checkpoint.source import open_checkpoint
+from qrt.checkpoint.config import DeviceConfig, LoadConfig
+from qrt.checkpoint.loader import load_model
+from qrt.layers.prepack import prepack_cpu_weights
+from qrt.formats.resolve import resolve_scheme
+from qrt.checkpoint.tokenizer import eos_token_ids
 from qrt.passes.backend import QrtBackend
 
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,

@@ -8,8 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from qrt.loaders.errors import ConfigError
-from qrt.loaders.tensor_parallel import SINGLE, Parallelism
+from qrt.errors import ConfigError
+from qrt.layers.tensor_parallel import SINGLE, Parallelism
 
 # How long a collective may wait for the other ranks before it fails (and the process exits):
 # a rank that died never answers, and nothing may hang forever. $QRT_DIST_TIMEOUT_S overrides it.

@@ -1,6 +1,6 @@
 """Hugging Face `architectures` name -> qrt model class."""
 
-from qrt.loaders.errors import ConfigError, UnsupportedError
+from qrt.errors import ConfigError, UnsupportedError
 
 from .models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from .models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM

@@ -14,7 +14,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-from qrt.loaders.registry import compressed_tensors_formats, online_formats, side_file_formats, stored_formats
+from qrt.formats.catalog import compressed_tensors_formats, online_formats, side_file_formats, stored_formats
 
 
 INT_CUDA = frozenset({"qrt.int_linear_triton"})  # every integer weight-only layout on CUDA

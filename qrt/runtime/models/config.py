@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 
 from qrt.kernels.activation_reference import ACTIVATIONS
-from qrt.loaders.errors import ConfigError, UnsupportedError
-from qrt.loaders.tensor_parallel import SINGLE, Parallelism
+from qrt.errors import ConfigError, UnsupportedError
+from qrt.layers.tensor_parallel import SINGLE, Parallelism
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 SCALED_ROPES = ("linear", "llama3", "yarn", "longrope")

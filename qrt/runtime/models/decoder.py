@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from qrt.loaders.linear import KV_SCALE_RENAMES, CheckpointNames, Linear
-from qrt.loaders.tensor_parallel import SINGLE, Parallelism
+from qrt.layers.linear import KV_SCALE_RENAMES, CheckpointNames, Linear
+from qrt.layers.tensor_parallel import SINGLE, Parallelism
 
 from .config import ModelConfig
 from .layers import DecoderLayer, Embedding, RotaryEmbedding

@@ -20,10 +20,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from qrt.loaders.errors import UnsupportedError
-from qrt.loaders.experts import FusedExperts
-from qrt.loaders.linear import copy_rows, make_parameter
-from qrt.loaders.tensor_parallel import SINGLE
+from qrt.errors import UnsupportedError
+from qrt.layers.experts import FusedExperts
+from qrt.layers.linear import copy_rows, make_parameter
+from qrt.layers.tensor_parallel import SINGLE
 
 from .config import ConfigReader, MLAConfig, ModelConfig, MoEConfig, read_ropes
 from .decoder import SEPARATE_PROJECTIONS, CausalLM

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from qrt.loaders.errors import UnsupportedError
-from qrt.loaders.tensor_parallel import SINGLE
+from qrt.errors import UnsupportedError
+from qrt.layers.tensor_parallel import SINGLE
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, Rope
 from .decoder import CausalLM

@@ -1,7 +1,7 @@
 """Building blocks shared by the decoder models: RMSNorm, rotary embeddings, attention over a
 static KV cache, and the gated MLP.
 
-Linear layers come from the quantized-linear contract (qrt.loaders.linear): a layer asks the
+Linear layers come from the quantized-linear contract (qrt.layers.linear): a layer asks the
 model's QuantScheme for the LinearMethod of its checkpoint modules and never looks further.
 
 Written for `torch.compile(fullgraph=True)`: no data-dependent Python control flow in `forward`,
@@ -17,8 +17,8 @@ from torch import nn
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
 from qrt.kernels.choices import choose
 
-from qrt.loaders.linear import Linear, copy_rows, create_kv_scales, dequantize_kv, make_parameter, quantize_kv
-from qrt.loaders.tensor_parallel import SINGLE, Parallelism, TensorSplit, all_reduce
+from qrt.layers.linear import Linear, copy_rows, create_kv_scales, dequantize_kv, make_parameter, quantize_kv
+from qrt.layers.tensor_parallel import SINGLE, Parallelism, TensorSplit, all_reduce
 
 from .config import SLIDING_ATTENTION, ModelConfig, Rope
 

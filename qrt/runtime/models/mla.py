@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qrt.loaders.errors import UnsupportedError
-from qrt.loaders.linear import Linear
+from qrt.errors import UnsupportedError
+from qrt.layers.linear import Linear
 
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, read_cache, write_cache

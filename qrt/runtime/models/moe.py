@@ -1,5 +1,5 @@
 """Mixture-of-experts blocks: a router picks k of E experts per token, the experts run as one op
-(qrt::fused_experts, whose weights loaders/experts.py builds in the checkpoint's format), and an
+(qrt::fused_experts, whose weights layers/experts.py builds in the checkpoint's format), and an
 optional shared expert runs on every token.
 
 The router stays in the model dtype whatever the format: checkpoints keep their gates as stored
@@ -10,11 +10,11 @@ change which experts run. Routing is computed in fp32, as transformers does.
 import torch
 from torch import nn
 
-from qrt.loaders.errors import ConfigError
-from qrt.loaders.experts import FusedExperts
-from qrt.loaders.linear import Linear
-from qrt.loaders.tensor_parallel import SINGLE
-from qrt.loaders.unquantized import UnquantizedLinearMethod
+from qrt.errors import ConfigError
+from qrt.layers.experts import FusedExperts
+from qrt.layers.linear import Linear
+from qrt.layers.tensor_parallel import SINGLE
+from qrt.layers.unquantized import UnquantizedLinearMethod
 
 from .config import ConfigReader, ModelConfig, MoEConfig
 from .layers import DecoderLayer, GatedMLP

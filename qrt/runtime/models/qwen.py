@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from qrt.loaders.errors import UnsupportedError
+from qrt.errors import UnsupportedError
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig
 from .decoder import CausalLM

@@ -4,7 +4,7 @@ over each q/k head, `norm_topk_prob`): Qwen's attention with sparse blocks on th
 
 from dataclasses import replace
 
-from qrt.loaders.errors import UnsupportedError
+from qrt.errors import UnsupportedError
 
 from .config import ConfigReader, ModelConfig
 from .decoder import CausalLM

@@ -1,0 +1,357 @@
+"""`python -m qrt` / `qrt`: generate, serve, eval, inspect, dump, formats, cache."""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qrt.errors import QrtError
+from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
+                                 stored_formats)
+
+from qrt.runtime.compiled import BUILDS
+from qrt.runtime.distributed import leave_process_group
+from qrt.runtime.evaluate import DEFAULT_WINDOW
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # Under torchrun every rank runs this; each names itself in its errors.
+    who = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+    try:
+        return args.handler(args)
+    except QrtError as err:  # one write per line: several ranks share the terminal
+        sys.stderr.write(f"qrt: error{who}: {err}\n")
+        return 2
+    except ValueError as err:
+        sys.stderr.write(f"qrt: invalid input{who}: {err}\n")
+        return 2
+    finally:
+        leave_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qrt", description="torch.compile-first runtime for quantized LLM checkpoints")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_model_args(sub):
+        sub.add_argument("path", nargs="?", default=None, type=_model_path,
+                         help="Hugging Face checkpoint folder, or `default` (the default: the embedded "
+                              "SmolLM2-135M-Instruct)")
+        sub.add_argument("--quant", default=None,
+                         help=f"online quantization for a bf16 checkpoint: {', '.join(online_formats())} "
+                              f"(default: as stored; `qrt formats` lists every format)")
+        sub.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
+        sub.add_argument("--device", default="cpu")
+        sub.add_argument("--build", choices=BUILDS, default=None,
+                         help="regional (default): each distinct layer compiled once, graphs cached; "
+                              "frozen: the older whole-model build with Inductor freezing")
+        sub.add_argument("--no-autotune", action="store_true",
+                         help="frozen build: skip timing GEMM implementations for decode (CPU)")
+        sub.add_argument("--no-cache", action="store_true", help="neither load nor store qrt's compiled graphs")
+        sub.add_argument("--tp", type=int, default=1,
+                         help="tensor parallelism over this many ranks, one process each: run under "
+                              "`torchrun --nproc-per-node N -m qrt …` (default: 1)")
+
+    gen = commands.add_parser("generate", help="generate text from a prompt")
+    add_model_args(gen)
+    gen.add_argument("--prompt", default=DEMO_PROMPT)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
+    gen.set_defaults(handler=_generate)
+
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=8, help="KV-cache slots: requests decoded together (default: 8)")
+    srv.add_argument("--max-seq-len", type=int, default=None,
+                     help="tokens per slot, prompt + output (default: 2048, or the model's context if shorter)")
+    srv.add_argument("--api-key", default=os.environ.get("QRT_API_KEY"),
+                     help="require `Authorization: Bearer KEY` on /v1 (default: $QRT_API_KEY, else none)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait for a slot; more get 503 with Retry-After (default: 64)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    srv.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens prefilled per engine step: a long prompt stalls running streams by "
+                          "one chunk at most (default: 256)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the `model` clients send (default: the checkpoint folder's name, or 'default')")
+    srv.set_defaults(handler=_serve)
+
+    ev = commands.add_parser("eval", help="perplexity and bits per byte of a text, scored with a sliding window")
+    add_model_args(ev)
+    ev.add_argument("--text", default=None,
+                    help="UTF-8 text file (default: the public-domain text shipped in runtime/data/eval_text.txt)")
+    ev.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                    help=f"tokens per forward pass, at most the model's context (default: {DEFAULT_WINDOW})")
+    ev.add_argument("--stride", type=int, default=None,
+                    help="tokens each window moves on; each scored token sees at least window - stride tokens "
+                         "before it (default: window // 2)")
+    ev.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.set_defaults(handler=_eval)
+
+    ins = commands.add_parser("inspect", help="show the checkpoint's format, layers and tensors")
+    add_model_args(ins)
+    ins.add_argument("--tensors", type=int, default=20, help="how many checkpoint tensors to list (-1: all)")
+    ins.set_defaults(handler=_inspect)
+
+    dump = commands.add_parser("dump", help="write graphs before/after each pass, kernel choices, break reports")
+    add_model_args(dump)
+    dump.add_argument("--out", default="dump", help="output folder (default: ./dump)")
+    dump.add_argument("--decode-steps", type=int, default=8, help="decode steps checked for recompiles")
+    dump.set_defaults(handler=_dump)
+
+    formats = commands.add_parser("formats", help="list the quantization formats qrt reads or applies")
+    formats.add_argument("--markdown", action="store_true", help="as the README's table")
+    formats.set_defaults(handler=_formats)
+
+    cache = commands.add_parser("cache", help="list or clear qrt's compile cache ($QRT_CACHE_DIR/compiled)")
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.set_defaults(handler=_cache)
+    return parser
+
+
+def _model_path(text: str) -> str | None:
+    """The word `default` names the embedded model (None to compile_model); a folder called
+    default is still reachable as ./default."""
+    return None if text == "default" else text
+
+
+def _compile(args, path=None, **kwargs):
+    from qrt import runtime
+
+    return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype,
+                                 build=args.build, autotune=False if args.no_autotune else None,
+                                 cache=not args.no_cache, tp=args.tp, **kwargs)
+
+
+def _generate(args) -> int:
+    model = _compile(args, compile=not args.eager)
+    chat = not args.no_chat and model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
+    if model.parallel.rank != 0:  # every rank decodes the same tokens; rank 0 shows them
+        model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, chat=chat)
+        return 0
+    print(f"> {args.prompt}", file=sys.stderr)
+    started = time.perf_counter()
+    tokens = []
+
+    def stream(token_id):
+        tokens.append(token_id)
+
+    text = model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, chat=chat, stream=stream)
+    elapsed = time.perf_counter() - started
+    print(text)
+    print(f"qrt: {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / elapsed:.1f} tok/s incl. prefill)", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    from qrt.runtime.engine import DEFAULT_CHUNK
+    from qrt.server.serve import serve
+
+    if args.tp != 1:
+        raise ValueError("qrt serve runs in one process; --tp > 1 is for generate, eval, inspect and dump")
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                               ("--max-body-bytes", args.max_body_bytes, 1024), ("--prefill-chunk", args.prefill_chunk, 3)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    name = args.served_model_name or ("default" if args.path is None else Path(args.path).name)
+    return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len),
+                 model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                 max_body_bytes=args.max_body_bytes, chunk_size=args.prefill_chunk or DEFAULT_CHUNK,
+                 max_batch=args.max_batch)
+
+
+def _eval(args) -> int:
+    from qrt.runtime.evaluate import DEFAULT_TEXT, check_window, perplexity_of_text, read_text
+
+    text_path = Path(args.text) if args.text is not None else DEFAULT_TEXT
+    text = read_text(text_path)
+    stride = args.window // 2 if args.stride is None else args.stride
+    check_window(args.window, stride)  # before loading: a typo should not cost a model load
+    # The full forward uses no KV cache; sizing it to the window instead of 2048 saves its memory.
+    model = _compile(args, compile=not args.eager, warmup=False, max_seq_len=args.window)
+    result = perplexity_of_text(model, text, window=args.window, stride=stride)
+    if model.parallel.rank != 0:  # every rank computed the same logits; rank 0 reports
+        return 0
+    if args.json:
+        report = {"model": str(model.source), "quant": args.quant, "quantization": model.scheme.describe(),
+                  "text": str(text_path), "compiled": not args.eager, **result.as_dict()}
+        print(json.dumps(report, indent=2))
+        return 0
+    special = "BOS prepended" if result.bos_added else "no special tokens added"
+    compiled = "eager" if args.eager else "includes compiling the forward graph"
+    print(f"model:          {model.source}")
+    print(f"quantization:   {model.scheme.describe()}")
+    print(f"text:           {text_path} ({result.text_bytes} bytes, {result.tokens} tokens, {special})")
+    print(f"window:         {result.window} tokens, stride {result.stride} ({result.windows} forward passes)")
+    print(f"scored tokens:  {result.scored_tokens}")
+    print(f"perplexity:     {result.perplexity:.4f}")
+    print(f"bits per byte:  {result.bits_per_byte:.4f}")
+    print(f"time:           {result.seconds:.1f} s ({compiled})")
+    return 0
+
+
+def _inspect(args) -> int:
+    from qrt.checkpoint.source import SafetensorsCheckpoint, open_checkpoint
+    from qrt.checkpoint.config import LoadConfig
+    from qrt.formats.resolve import resolve_scheme
+    from qrt.checkpoint.safetensors_files import checkpoint_files
+
+    from qrt.runtime.registry import ModelRegistry
+
+    path = _resolve_path(args.path)
+    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 describes the checkpoint
+    checkpoint = open_checkpoint(path, LoadConfig())
+    hf_config = checkpoint.hf_config
+    if first_rank:
+        print(f"checkpoint:    {path}")
+        print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
+        if isinstance(checkpoint, SafetensorsCheckpoint):
+            _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
+    ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
+    scheme = resolve_scheme(hf_config, args.quant, checkpoint.config_path, checkpoint.folder)
+    if first_rank:
+        print(f"quantization:  {scheme.describe()}")
+    model = _compile(args, compile=False, progress=False, path=path).model
+    in_rank_order(model.config.parallel, lambda: _print_layers(model, args.device, model.config.parallel))
+    return 0
+
+
+def _print_layers(model, device: str, parallel) -> None:
+    sharded = f", rank {parallel.rank} of {parallel.size}" if parallel.sharded else ""
+    print(f"\nlinear layers on {device} after the loader pass{sharded}:")
+    print(f"  {'layer':<40} {'format':<6} {'weight':<14} {'split':<8} {'storage layout':<44} kernel")
+    for name, module in model.named_modules():
+        if hasattr(module, "quant_method"):
+            weight = module.weight
+            split = "column" if module.n_slices is not None else "row" if module.k_slice is not None else "-"
+            shape = "x".join(str(d) for d in weight.shape)
+            print(f"  {name:<40} {module.quant_method.name:<6} {shape:<14} {split:<8} "
+                  f"{getattr(weight, 'storage_layout', '?'):<44} {getattr(weight, 'kernel', '?')}")
+    sys.stdout.flush()
+
+
+def in_rank_order(parallel, show) -> None:
+    """Call `show` on every rank, one rank after the other (their output would interleave)."""
+    for rank in range(parallel.size):
+        if rank == parallel.rank:
+            show()
+        if parallel.sharded:
+            torch.distributed.barrier(group=parallel.group)
+
+
+def _print_tensors(files, limit: int) -> None:
+    from qrt.checkpoint.safetensors_files import read_header
+
+    total = 0
+    print(f"weight files:  {', '.join(f.name for f in files)}")
+    print("tensors:")
+    for path in files:
+        for entry in read_header(path):
+            if limit < 0 or total < limit:
+                print(f"  {entry.name:<56} {entry.dtype_name:<8} {list(entry.shape)}")
+            total += 1
+    if 0 <= limit < total:
+        print(f"  … {total - limit} more (--tensors -1 lists all)")
+
+
+def _resolve_path(path):
+    if path is not None:
+        return Path(path)
+    from qrt.runtime.default_model import default_model_path
+
+    return default_model_path()
+
+
+def _dump(args) -> int:
+    from qrt.passes.dump import write_dump
+
+    model = _compile(args, warmup=False)
+    ids = torch.randint(0, model.vocab_size, (1, 8))
+    explain = {}
+    with torch.no_grad():
+        for role in ("prefill", "decode"):
+            explain[role] = torch._dynamo.explain(model.model)(*model.graph_inputs(role))
+        model.generate(ids[0].tolist(), max_new_tokens=2, stop_at_eos=False)
+        model(ids)
+        recompile_check = _check_no_recompiles(model, args.decode_steps)
+    header = [f"- checkpoint: `{model.source}`", f"- quantization: {model.scheme.describe()}",
+              f"- device: {args.device}", f"- graphs compiled: {model.compile_report()}"]
+    out = Path(args.out)
+    parallel = model.parallel
+    if parallel.sharded:  # each rank compiles its own graphs: one folder per rank
+        header.append(f"- tensor parallel: rank {parallel.rank} of {parallel.size}")
+        out = out / f"rank{parallel.rank}"
+    index = write_dump(out, [b.log for b in model.backends.values()], explain, recompile_check, header)
+    print(f"qrt: wrote {index}")
+    return 0
+
+
+def _check_no_recompiles(model, steps: int) -> str:
+    """Run `steps` decode steps with recompiles forbidden; say what happened."""
+    try:
+        with model.guarded(), torch.compiler.set_stance("fail_on_recompile"):
+            model.generate([1, 2, 3], max_new_tokens=steps, stop_at_eos=False)
+    except Exception as err:  # the stance raises a plain RuntimeError naming the guard that failed
+        return f"FAILED: decode recompiled within {steps} steps: {err}"
+    return f"ok: {steps} decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles"
+
+
+def _formats(args) -> int:
+    if args.markdown:
+        print(formats_markdown())
+        return 0
+    print("stored (detected from the checkpoint):")
+    for fmt in stored_formats().values():
+        print(f"  {fmt.quant_method:20s} {fmt.summary}")
+    for ct in compressed_tensors_formats().values():
+        print(f"    compressed-tensors {ct.name}: {ct.summary}")
+    for side in side_file_formats().values():
+        print(f"  {side.file_name:20s} {side.name}: {side.summary}")
+    print("online (--quant, applied to an unquantized checkpoint while it loads):")
+    for online in online_formats().values():
+        print(f"  {online.name:20s} {online.summary}; {online.lm_head_summary or 'lm_head kept as stored'}")
+    return 0
+
+
+def _cache(args) -> int:
+    from qrt.runtime.compile_cache import Entry, clear_entries, compiled_dir, list_entries, qrt_inductor_dir
+
+    if args.action == "clear":
+        files, size = clear_entries()
+        print(f"qrt: removed {files} files ({size / 2**20:.1f} MiB) from {compiled_dir()} and {qrt_inductor_dir()}")
+        return 0
+    entries = list_entries()
+    print(f"{compiled_dir()}: {len(entries)} entries")
+    for entry in entries:
+        if not isinstance(entry, Entry):
+            path, problem = entry
+            print(f"  {path.name}  UNUSABLE ({problem}); rebuilt on next use, or run `qrt cache clear`")
+            continue
+        meta = entry.meta
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta.get("created", 0)))
+        parts = meta.get("parts", {})
+        print(f"  {entry.path.stem}  {created}  {entry.size / 2**20:6.1f} MiB  {meta.get('source')}  "
+              f"quant={meta.get('quant')}  device={meta.get('device')}  max_seq_len={parts.get('max_seq_len')}  "
+              f"max_batch_size={parts.get('max_batch_size')}  cold compile {meta.get('compile_seconds')} s")
+    return 0
