@@ -12,12 +12,12 @@ import torch
 from torch._inductor import config as inductor_config
 from torch.compiler._cache import CacheArtifactManager
 
-from qrt.checkpoint.source import open_checkpoint
 from qrt.checkpoint.config import DeviceConfig, LoadConfig
 from qrt.checkpoint.loader import load_model
-from qrt.layers.prepack import prepack_cpu_weights
-from qrt.formats.resolve import resolve_scheme
+from qrt.checkpoint.source import open_checkpoint
 from qrt.checkpoint.tokenizer import eos_token_ids
+from qrt.formats.resolve import resolve_scheme
+from qrt.layers.prepack import prepack_cpu_weights
 from qrt.passes.backend import QrtBackend
 
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
@@ -25,6 +25,7 @@ from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_c
 from .direct_graph import DirectGraph
 from .distributed import rank_device, tensor_parallel
 from .engine import Engine, Request
+from .logprobs import check_top
 from .malloc import map_large_allocations
 from .registry import ModelRegistry
 from .sampling import SamplingParams
@@ -125,7 +126,7 @@ def compile_model(
 
 
 def _prefill(model, input_ids, positions, keys, slots, logits_at):
-    return model(input_ids, positions, keys, slots, logits_at)
+    return model(input_ids, positions, keys, slots, logits_at, keep_hidden=True)
 
 
 def _decode(model, input_ids, positions, keys):
@@ -265,11 +266,18 @@ class CompiledModel:
         return [seq.tokens for seq in sequences]
 
     def request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, *, stop_at_eos: bool = True,
-                stop_ids=(), stop_strings: tuple[str, ...] = (), text: bool = False) -> Request:
+                stop_ids=(), stop_strings: tuple[str, ...] = (), text: bool = False, logprobs: int | None = None,
+                prompt_logprobs: int | None = None) -> Request:
         """An engine Request, checked against this model: ids in the vocabulary, prompt +
-        max_tokens within the KV cache, stop strings needing a tokenizer."""
-        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_tokens!r}")
+        max_tokens within the KV cache, stop strings needing a tokenizer. logprobs /
+        prompt_logprobs: score the new tokens / the prompt's, with that many alternatives
+        (None: off); only a request that scores its prompt may generate nothing (max_tokens 0)."""
+        check_top(logprobs, "logprobs")
+        check_top(prompt_logprobs, "prompt_logprobs")
+        least = 0 if prompt_logprobs is not None else 1
+        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= least):
+            raise ValueError(f"max_new_tokens must be an integer >= {least}, got {max_tokens!r}"
+                             + (" (0 only when the prompt is scored)" if least else ""))
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
         if len(prompt_ids) + max_tokens > self.max_seq_len:
@@ -281,7 +289,8 @@ class CompiledModel:
         if (stop_strings or text) and self.tokenizer is None:
             raise ValueError(f"{self.source} has no usable tokenizer, so stop strings and text output cannot be used")
         stops = frozenset(stop_ids) | (frozenset(self.eos_ids) if stop_at_eos else frozenset())
-        return Request(tuple(prompt_ids), max_tokens, sampling, stops, tuple(stop_strings), text)
+        return Request(tuple(prompt_ids), max_tokens, sampling, stops, tuple(stop_strings), text, logprobs,
+                       prompt_logprobs)
 
     def _run_engine(self, sequences) -> None:
         """Step the engine until `sequences` are done; raise the first one's error, if any."""
@@ -296,10 +305,18 @@ class CompiledModel:
             if seq.error is not None:
                 raise seq.error
 
-    def prefill_chunk(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
+    def prefill_chunk(self, tokens: list[int], start: int, slot: int, with_hidden: bool = False):
         """Run prompt tokens at positions start.. into cache slot `slot`, attending over the
-        cache up to them; float32 logits [V] of the last one."""
-        return self._run("prefill", *self._prefill_inputs(tokens, start, slot))[0, 0]
+        cache up to them; float32 logits [V] of the last one. with_hidden: also the final hidden
+        states of every token ([T, D]), for `position_logits`."""
+        logits, hidden = self._run("prefill", *self._prefill_inputs(tokens, start, slot))
+        return (logits[0, 0], hidden[0, :len(tokens)]) if with_hidden else logits[0, 0]
+
+    def position_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits [T, V] of final hidden states [T, D] from `prefill_chunk`: the
+        model's own head (its lm_head, and any soft-cap), run outside the compiled graphs."""
+        with torch.no_grad():
+            return self.model.logits(hidden[None])[0]
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
         """One token per cache slot: tokens, positions [slots]; attention over the first

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .distributed import broadcast_from_first
+from .logprobs import TokenLogprob, scored
 from .sampling import SamplingParams, sample
 from .text_stream import TextStream
 
@@ -40,6 +41,10 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # ending on one of these keeps it in the ids, not in the text
     stop_strings: tuple[str, ...] = ()
     text: bool = False  # also turn the ids into text (needed for stop strings)
+    logprobs: int | None = None  # each new token's log-probability and this many alternatives; None: off
+    # The prompt's tokens scored too (the first has none), with this many alternatives; None: off.
+    # With max_tokens 0 the request ends after its prompt, generating nothing.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Update:
     finish_reason: str | None
     time: float  # time.perf_counter() when it happened
     error: BaseException | None = None
+    logprob: TokenLogprob | None = None  # the new token's, when the request asked for log-probabilities
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Sequence:
     listener: object = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `tokens`, when asked for
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # of the prompt, when asked for
     finish_reason: str | None = None
     error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
@@ -146,14 +154,16 @@ class Engine:
         sampled = self._prefill_step() + self._decode_step(decoding)  # [(sequence, logits [V])]
         if not sampled:
             return
-        picked = [(seq, self._guarded(seq, self._sample, seq, logits)) for seq, logits in sampled]
-        picked = [(seq, token) for seq, token in picked if token is not None]
+        picked = [(seq, logits, self._guarded(seq, self._sample, seq, logits)) for seq, logits in sampled]
+        picked = [(seq, logits, token) for seq, logits, token in picked if token is not None]
         if not picked:
             return
-        tokens = broadcast_from_first(torch.stack([token for _, token in picked]), self.model.parallel)  # [n]
+        tokens = broadcast_from_first(torch.stack([token for _, _, token in picked]), self.model.parallel)  # [n]
         now = time.perf_counter()
-        for (seq, _), token in zip(picked, tokens.tolist()):
-            self._guarded(seq, self._accept, seq, token, now)
+        for (seq, logits, _), token in zip(picked, tokens.tolist()):
+            top = seq.request.logprobs
+            logprob = None if top is None else self._guarded(seq, lambda: scored(logits[None], [token], top)[0])
+            self._guarded(seq, self._accept, seq, token, now, logprob)
 
     def fail_all(self, err: BaseException) -> None:
         """End every request in hand with `err` (the caller's step failed outside any one request)."""
@@ -187,12 +197,18 @@ class Engine:
             while seq.chunks and (budget == self.chunk_size or seq.chunks[0][1] - seq.chunks[0][0] <= budget):
                 start, end = seq.chunks.popleft()
                 budget -= end - start
-                logits = self._guarded(seq, self.model.prefill_chunk, seq.feed[start:end], start, seq.slot)
-                if logits is None:
+                # A prompt is scored on its first way through (not when a long context restarts it).
+                scoring = seq.request.prompt_logprobs is not None and not seq.tokens
+                out = self._guarded(seq, self.model.prefill_chunk, seq.feed[start:end], start, seq.slot, scoring)
+                if out is None or (scoring and self._guarded(seq, self._score_prompt, seq, out[1], start) is None):
                     break
+                logits = out[0] if scoring else out
                 seq.position = end
                 if not seq.chunks:
-                    done.append((seq, logits))
+                    if seq.request.max_tokens == 0:  # scoring the prompt was all it asked for
+                        self._finish(seq, LENGTH)
+                    else:
+                        done.append((seq, logits))
             if budget <= 0:
                 break
         return done
@@ -213,14 +229,28 @@ class Engine:
             seq.position += 1
         return [(seq, logits[seq.slot]) for seq in decoding]
 
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> bool:
+        """Each prompt token that follows this chunk's positions, scored from their hidden
+        states [T, D]; the prompt's first token gets None (nothing comes before it)."""
+        prompt = seq.request.prompt
+        if start == 0:
+            seq.prompt_logprobs = [None]
+        rows = min(start + hidden.shape[0], len(prompt) - 1) - start  # the last prompt token predicts no prompt token
+        if rows > 0:
+            logits = self.model.position_logits(hidden[:rows])  # [rows, V]
+            seq.prompt_logprobs += scored(logits, list(prompt[start + 1:start + 1 + rows]), seq.request.prompt_logprobs)
+        return True
+
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         return sample(logits.view(1, -1), seq.request.sampling, seq.generator)[0]
 
     # ---- a request's own progress ------------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int, now: float) -> None:
+    def _accept(self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
         if seq.done:  # failed or was cancelled during this step
             return
         seq.tokens.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         request = seq.request
         text = seq.stream.add(token) if seq.stream is not None else ""
         reason = None
@@ -232,7 +262,7 @@ class Engine:
             text += seq.stream.flush()
         seq.text += text
         seq.next_token = token
-        self._notify(seq, Update(token, text, None, now))
+        self._notify(seq, Update(token, text, None, now, logprob=logprob))
         if reason is not None:
             self._finish(seq, reason)
 

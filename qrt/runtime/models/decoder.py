@@ -105,7 +105,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, keep_hidden: bool = False):
         """input_ids: [B, T] int64.
 
         With positions ([B, T], each row its own) K/V go to the static cache, row b into cache
@@ -113,7 +113,9 @@ class CausalLM(nn.Module):
         ([S'] = 0..S'-1): attending only over the filled part saves reading the rest every step.
         Without positions, plain causal attention within input_ids (no cache).
         logits_at: [B], the one position of each row whose logits to return ([B, 1, V]);
-        None: all of them. Returns float32 logits [B, T, V]."""
+        None: all of them. Returns float32 logits [B, T, V]; with keep_hidden, also the final
+        hidden states of every position ([B, T, D], normed: `logits` turns them into logits), from
+        which a prompt's own log-probabilities are scored."""
         seq = input_ids.shape[1]
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device)[None]  # [1, T]
@@ -131,7 +133,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             cos, sin = local_rope if layer.sliding else rope
             x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, cached, slots)
-        x = self.model.norm(x)
+        hidden = self.model.norm(x)  # [B, T, D]
+        x = hidden
         if logits_at is not None:
-            x = x.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))  # [B, 1, D]
-        return self.logits(x)
+            x = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, D]
+        return (self.logits(x), hidden) if keep_hidden else self.logits(x)
