@@ -143,10 +143,88 @@ def test_stop_strings_across_token_boundaries_and_stop_token_ids(client, chat_mo
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == ids.index(ids[5]) + 1
 
 
+def scored_alone(model, prompt_ids, max_tokens, top):
+    """The in-process engine's Sequence for a greedy request scoring its prompt and new tokens."""
+    engine = model.engine
+    seq = engine.submit(model.request(prompt_ids, max_tokens, SamplingParams(), text=True, stop_at_eos=False,
+                                      logprobs=top, prompt_logprobs=top))
+    engine.run([seq])
+    return seq
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, chat_model):
+    # lm-evaluation-harness's loglikelihood request: token ids, one new token, echo, logprobs 1.
+    ids = chat_model.encode("The quick brown fox jumps over the lazy dog")
+    out = client.completions.create(model=NAME, prompt=[ids], max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                    seed=1234)
+    choice = out.choices[0]
+    seq = scored_alone(chat_model, ids, 1, 1)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    scores = seq.prompt_logprobs[1:] + seq.logprobs
+    assert logprobs.tokens == [chat_model.tokenizer.decode([t]) for t in ids + seq.tokens]
+    assert max(abs(a - b.logprob) for a, b in zip(logprobs.token_logprobs[1:], scores)) < 1e-5
+    for top, score in zip(logprobs.top_logprobs[1:], scores):
+        ((piece, value),) = top.items()
+        assert piece == chat_model.tokenizer.decode([score.top[0][0]]) and abs(value - score.top[0][1]) < 1e-5
+    assert choice.text == chat_model.tokenizer.decode(ids) + seq.text
+    # Each offset is where its token's text starts in the choice's text.
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and all(choice.text[o:].startswith(t) for o, t in zip(offsets, logprobs.tokens))
+
+
+def test_echo_with_no_new_tokens_returns_the_prompt_and_its_scores(client, chat_model):
+    prompt = "Scored, not continued."
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = out.choices[0]
+    assert choice.text == prompt and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    seq = scored_alone(chat_model, chat_model.encode(prompt), 0, 0)
+    assert [x.logprob for x in seq.prompt_logprobs[1:]] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+    assert all(top == {} for top in choice.logprobs.top_logprobs[1:])
+
+
+def test_several_prompts_are_choices_each_as_alone(client, chat_model):
+    prompts = ["One prompt", "and another, longer prompt", "a third"]
+    out = client.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    alone = [expected(chat_model, chat_model.encode(p), 6) for p in prompts]
+    assert [c.text for c in out.choices] == [text for text, _, _ in alone]
+    assert out.usage.completion_tokens == sum(tokens for _, tokens, _ in alone)
+    assert out.usage.prompt_tokens == sum(len(chat_model.encode(p)) for p in prompts)
+    stream = client.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0, stream=True)
+    texts = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [text for text, _, _ in alone]
+
+
+def test_chat_logprobs_list_each_token_with_its_alternatives(client, chat_model):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    for stream in (False, True):
+        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                               logprobs=True, top_logprobs=3, stream=stream)
+        if stream:
+            chunks = list(reply)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        else:
+            text, content = reply.choices[0].message.content, reply.choices[0].logprobs.content
+        seq = scored_alone(chat_model, chat_model.encode_messages(messages), 5, 3)
+        assert [e.token for e in content] == [chat_model.tokenizer.decode([t]) for t in seq.tokens]
+        assert "".join(e.token for e in content).startswith(text)
+        assert [e.logprob for e in content] == pytest.approx([s.logprob for s in seq.logprobs], abs=1e-5)
+        assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[2].logprob
+                   for e in content)
+        assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in content)
+
+
 @pytest.mark.parametrize("fields, param, words", [
     (dict(n=2), "n", "n=2 is not supported"),
-    (dict(logprobs=2), "logprobs", "logprobs=2 is not supported"),
-    (dict(echo=True), "echo", "echo=True is not supported"),
+    (dict(logprobs=21), "logprobs", "less than or equal to 20"),
+    (dict(max_tokens=0), None, "max_tokens=0 returns nothing without echo=true"),
+    (dict(prompt=["a"] * 65), "prompt", "at most 64 prompts per request"),
     (dict(presence_penalty=0.5), "presence_penalty", "presence_penalty=0.5 is not supported"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate", "unknown field 'frobnicate'"),
     (dict(max_tokens=2100), "max_tokens", "+ max_tokens (2100) = 210"),

@@ -7,6 +7,7 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,7 @@ from qrt.runtime.engine import ERROR, Update
 from qrt.runtime.sampling import SamplingParams
 
 from .body_limit import BodyLimit
+from .logprob_shapes import LogprobShapes
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there
@@ -109,19 +111,24 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
     async def completions(body: CompletionRequest, request: Request):
         authorize(request)
         model = _checked(body)
-        if isinstance(body.prompt, str):
-            prompt = _encode(lambda: model.encode(body.prompt), "prompt")
-        else:
-            prompt = _token_ids(model, body.prompt, "prompt")
-        return await _serve(body, model, prompt, body.max_tokens, request, chat=False)
+        prompts = [Prompt(_encode(lambda: model.encode(p), "prompt"), p) if isinstance(p, str)
+                   else Prompt(_token_ids(model, p, "prompt"), None) for p in body.prompts()]
+        # Echo with logprobs scores the prompt; echo with max_tokens 0 has the engine stop after it.
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        if body.echo and body.max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
+        scoring = Scoring(body.logprobs, prompt_logprobs, body.echo, top=True)
+        return await _serve(body, model, prompts, body.max_tokens, request, chat=False, scoring=scoring)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         authorize(request)
         model = _checked(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = _encode(lambda: model.encode_messages(messages), "messages")
-        return await _serve(body, model, prompt, body.token_limit(), request, chat=True)
+        prompt = Prompt(_encode(lambda: model.encode_messages(messages), "messages"), None)
+        top = body.top_logprobs or 0
+        scoring = Scoring(top if body.logprobs else None, None, False, top=body.top_logprobs is not None)
+        return await _serve(body, model, [prompt], body.token_limit(), request, chat=True, scoring=scoring)
 
     def _checked(body):
         model = ready_model()
@@ -130,37 +137,45 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
                            "not_found_error", param="model", code="model_not_found")
         return model
 
-    async def _serve(body, model, prompt: list[int], limit: int | None, request: Request, chat: bool):
-        room = model.max_seq_len - len(prompt)
-        if limit is None:
-            limit = room
-        if limit < 1 or limit > room:
-            field = "max_tokens"
-            raise ApiError(400, f"the prompt ({len(prompt)} tokens) + {field} ({limit}) = {len(prompt) + limit} "
-                                f"tokens exceeds max_seq_len ({model.max_seq_len}) of this server",
-                           param=field)
+    async def _serve(body, model, prompts: list["Prompt"], limit: int | None, request: Request, chat: bool,
+                     scoring: "Scoring"):
+        requests = []
+        for prompt in prompts:
+            room = model.max_seq_len - len(prompt.ids)
+            tokens = room if limit is None else limit
+            if tokens > room or (tokens < 1 and scoring.prompt is None):
+                raise ApiError(400, f"the prompt ({len(prompt.ids)} tokens) + max_tokens ({tokens}) = "
+                                    f"{len(prompt.ids) + tokens} tokens exceeds max_seq_len ({model.max_seq_len}) "
+                                    f"of this server", param="max_tokens")
+            requests.append((prompt, tokens))
         stop_ids = _token_ids(model, list(body.stop_ids()), "stop", allow_empty=True)
-        if loop.queue_depth() >= max_queue:
+        if loop.queue_depth() + len(requests) > max_queue:
             raise ApiError(503, f"the queue is full ({max_queue} requests waiting for a slot); retry shortly",
                            "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         sampling = SamplingParams(body.temperature, body.top_k, None if body.top_p >= 1 else body.top_p, body.seed)
         try:
-            engine_request = model.request(prompt, limit, sampling, stop_at_eos=not body.ignore_eos,
-                                           stop_ids=stop_ids, stop_strings=body.stop_strings(), text=True)
+            engine_requests = [model.request(prompt.ids, tokens, sampling, stop_at_eos=not body.ignore_eos,
+                                             stop_ids=stop_ids, stop_strings=body.stop_strings(), text=True,
+                                             logprobs=scoring.generated, prompt_logprobs=scoring.prompt)
+                               for prompt, tokens in requests]
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        seq, updates = loop.submit(engine_request, asyncio.get_running_loop())
-        reply = _Reply(chat, model_name, len(prompt))
+        running = [loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
+        reply = _Reply(chat, model_name, sum(len(p.ids) for p in prompts), LogprobShapes(model.tokenizer), scoring,
+                       prompts)
         if body.stream:
-            return StreamingResponse(_stream(seq, updates, reply, body.include_usage()),
+            return StreamingResponse(_stream(running, reply, body.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(seq, updates, reply, request)
+        return await _whole(running, reply, request)
 
-    async def _whole(seq, updates: asyncio.Queue, reply: "_Reply", request: Request):
+    async def _whole(running: list, reply: "_Reply", request: Request):
         clock = asyncio.get_running_loop().time
         next_check = clock() + DISCONNECT_POLL_S
+        ended = {}  # choice -> its last Update
         try:
-            while True:
+            while len(ended) < len(running):
+                index = next(i for i in range(len(running)) if i not in ended)
+                seq, updates = running[index]
                 # Tokens may come faster than the poll interval: the check goes by the clock,
                 # not by a quiet spell.
                 try:
@@ -168,38 +183,67 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
                 except asyncio.TimeoutError:
                     update = None
                 if update is not None and update.finish_reason is not None:
-                    break
+                    ended[index] = update
                 if clock() >= next_check:
                     if await request.is_disconnected():
-                        seq.cancel()  # the slot is freed at the engine's next step
+                        for seq, _ in running:
+                            seq.cancel()  # the slots are freed at the engine's next step
                         return Response(status_code=499)
                     next_check = clock() + DISCONNECT_POLL_S
         except BaseException:
-            seq.cancel()
+            for seq, _ in running:
+                seq.cancel()
             raise
-        if update.finish_reason == ERROR:
-            return JSONResponse(_engine_error(update), status_code=500)
-        return reply.whole(seq.text, update.finish_reason, len(seq.tokens))
+        failed = [update for update in ended.values() if update.finish_reason == ERROR]
+        if failed:
+            return JSONResponse(_engine_error(failed[0]), status_code=500)
+        return reply.whole([seq for seq, _ in running])
 
-    async def _stream(seq, updates: asyncio.Queue, reply: "_Reply", include_usage: bool):
-        try:
-            if reply.chat:
-                yield _event(reply.chunk({"role": "assistant", "content": ""}, None, include_usage))
+    async def _stream(running: list, reply: "_Reply", include_usage: bool):
+        merged: asyncio.Queue = asyncio.Queue()  # (choice, Update) of every choice, as they come
+
+        async def forward(index: int, updates: asyncio.Queue):
             while True:
                 update = await updates.get()
+                await merged.put((index, update))
+                if update.finish_reason is not None:
+                    return
+
+        forwarders = [asyncio.create_task(forward(i, updates)) for i, (_, updates) in enumerate(running)]
+        try:
+            if reply.chat:
+                yield _event(reply.chunk(0, {"role": "assistant", "content": ""}, None, [], include_usage))
+            pending = [[] for _ in running]  # scored tokens not yet sent, per choice
+            # With echo, a choice's prompt goes first, with its scores: the engine has scored it by
+            # the time the choice's first update comes.
+            echoed = [not reply.scoring.echo for _ in running]
+            left, failed = len(running), False
+            while left:
+                index, update = await merged.get()
+                seq = running[index][0]
                 if update.finish_reason == ERROR:
                     yield _event(_engine_error(update))
+                    failed = True
                     break
+                if not echoed[index]:
+                    echoed[index] = True
+                    yield _event(reply.echo_chunk(index, seq, include_usage))
+                if update.logprob is not None:
+                    pending[index].append(update.logprob)
                 if update.text:
-                    yield _event(reply.chunk(update.text, None, include_usage))
+                    yield _event(reply.chunk(index, update.text, None, pending[index], include_usage))
+                    pending[index] = []
                 if update.finish_reason is not None:
-                    yield _event(reply.chunk(None, update.finish_reason, include_usage))
-                    if include_usage:
-                        yield _event(reply.usage_chunk(len(seq.tokens)))
-                    break
+                    yield _event(reply.chunk(index, None, update.finish_reason, pending[index], include_usage))
+                    left -= 1
+            if include_usage and not failed:
+                yield _event(reply.usage_chunk(sum(len(seq.tokens) for seq, _ in running)))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the task is cancelled) or the stream ended
-            seq.cancel()
+            for task in forwarders:
+                task.cancel()
+            for seq, _ in running:
+                seq.cancel()
 
     return app
 
@@ -228,13 +272,37 @@ def _token_ids(model, ids: list[int], field: str, allow_empty: bool = False) -> 
     return list(ids)
 
 
-class _Reply:
-    """The response and stream-chunk JSON of one request."""
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str | None  # as the client sent it; None for token ids (echo decodes them)
 
-    def __init__(self, chat: bool, model_name: str, prompt_tokens: int):
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a request asked to be scored: `generated`: the new tokens, with that many alternatives
+    (None: not); `prompt`: the prompt's tokens likewise; `echo`: the prompt is sent back; `top`:
+    chat lists the alternatives (top_logprobs was given)."""
+    generated: int | None
+    prompt: int | None
+    echo: bool
+    top: bool
+
+    @property
+    def reported(self) -> bool:
+        return self.generated is not None
+
+
+class _Reply:
+    """The response and stream-chunk JSON of one request (one choice per prompt)."""
+
+    def __init__(self, chat: bool, model_name: str, prompt_tokens: int, shapes: LogprobShapes, scoring: Scoring,
+                 prompts: list[Prompt]):
         self.chat, self.model, self.prompt_tokens = chat, model_name, prompt_tokens
+        self.shapes, self.scoring, self.prompts = shapes, scoring, prompts
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.sent = [[] for _ in prompts]  # per choice, the ids whose text went out (for text_offset)
 
     def usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -243,26 +311,60 @@ class _Reply:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            kind = "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": self.usage(completion_tokens)}
+    def _echo_text(self, index: int) -> str:
+        prompt = self.prompts[index]
+        return prompt.text if prompt.text is not None else self.shapes.tokenizer.decode(prompt.ids)
 
-    def chunk(self, delta, finish_reason: str | None, include_usage: bool) -> dict:
-        """delta: new text (a dict for chat's first, role-only chunk), None in the last chunk."""
+    def _logprobs(self, index: int, ids: list[int], scores: list) -> dict | None:
+        """The scores of `ids`, the next tokens of choice `index`, in this endpoint's shape."""
+        if not self.scoring.reported:
+            return None
+        if self.chat:
+            return self.shapes.chat(scores, self.scoring.top)
+        shaped = self.shapes.legacy(ids, scores, self.sent[index])
+        self.sent[index] += ids
+        return shaped
+
+    def whole(self, sequences: list) -> dict:
+        choices = []
+        for index, seq in enumerate(sequences):
+            text, logprobs = seq.text, None
+            if self.scoring.echo:
+                text = self._echo_text(index) + text
+                if self.scoring.reported:
+                    prompt = self._logprobs(index, list(seq.request.prompt), seq.prompt_logprobs)
+            if self.scoring.reported:
+                logprobs = self._logprobs(index, seq.tokens, seq.logprobs)
+                if self.scoring.echo:
+                    logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": seq.finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": seq.finish_reason})
+        kind = "chat.completion" if self.chat else "text_completion"
+        completion_tokens = sum(len(seq.tokens) for seq in sequences)
+        return {**self._head(kind), "choices": choices, "usage": self.usage(completion_tokens)}
+
+    def echo_chunk(self, index: int, seq, include_usage: bool) -> dict:
+        """A completions stream's first chunk of a choice with echo: its prompt (and its scores)."""
+        scores = self._logprobs(index, list(seq.request.prompt), seq.prompt_logprobs)
+        return self._chunk(index, {"text": self._echo_text(index)}, None, scores, include_usage)
+
+    def chunk(self, index: int, delta, finish_reason: str | None, scores: list, include_usage: bool) -> dict:
+        """delta: new text (a dict for chat's first, role-only chunk), None in the last chunk;
+        scores: the tokens scored since the choice's last chunk."""
+        logprobs = self._logprobs(index, [s.token for s in scores], scores) if scores else None
         if self.chat:
             content = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
-            kind = "text_completion"
-        chunk = {**self._head(kind), "choices": [choice]}
+            return self._chunk(index, {"delta": content}, finish_reason, logprobs, include_usage)
+        return self._chunk(index, {"text": delta or ""}, finish_reason, logprobs, include_usage)
+
+    def _chunk(self, index: int, body: dict, finish_reason, logprobs, include_usage: bool) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = {**self._head(kind), "choices": [{"index": index, **body, "logprobs": logprobs,
+                                                  "finish_reason": finish_reason}]}
         if include_usage:
             chunk["usage"] = None  # as OpenAI: only the extra last chunk carries it
         return chunk

@@ -2,13 +2,17 @@
 
 Every field the OpenAI API defines for these endpoints is known here. Fields qrt implements take
 any valid value; fields it does not implement are accepted only at the value that means "off"
-(n=1, echo=false, logprobs off, penalties 0, …), and anything else is a 400 naming the field.
+(n=1, penalties 0, …), and anything else is a 400 naming the field.
 Fields the API does not define are a 400 too: nothing a client sends is silently ignored.
 """
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from qrt.runtime.logprobs import MAX_TOP
+
+MAX_PROMPTS = 64  # prompts in one completions request
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -40,9 +44,6 @@ OFF_ONLY = {
     "presence_penalty": ((0.0,), _NOT_IMPLEMENTED),
     "frequency_penalty": ((0.0,), _NOT_IMPLEMENTED),
     "logit_bias": ((None, {}), _NOT_IMPLEMENTED),
-    "echo": ((False,), _NOT_IMPLEMENTED),
-    "logprobs": ((None, False), _NOT_IMPLEMENTED),
-    "top_logprobs": ((None,), _NOT_IMPLEMENTED),
     "suffix": ((None,), _NOT_IMPLEMENTED),
     "response_format": ((None, {"type": "text"}), "qrt generates free text"),
     "tools": ((None, []), _NO_TOOLS),
@@ -125,24 +126,35 @@ class _Generation(BaseModel):
 
 class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, when asked)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)  # alternatives listed per token; None: no logprobs
     best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"prompt: one prompt per request is supported, got a batch of {len(v)}")
-            v = v[0]
-        if isinstance(v, str):
-            _valid_utf8(v, "prompt")
-        if not v:
-            raise ValueError("prompt is empty; give at least one token")
+    def _prompts(cls, v):
+        prompts = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                _valid_utf8(prompt, "prompt")
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one token")
         return v
+
+    @model_validator(mode="after")
+    def _nothing_to_do(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 returns nothing without echo=true; ask for at least one token")
+        return self
+
+    def prompts(self) -> list:
+        """Each prompt of the request (a string or token ids), in order: one choice each."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
 
 class TextPart(BaseModel):
@@ -173,7 +185,7 @@ class ChatCompletionRequest(_Generation):
     max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the KV cache
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -184,6 +196,12 @@ class ChatCompletionRequest(_Generation):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         return self
 
     def token_limit(self) -> int | None:
