@@ -1,0 +1,118 @@
+"""lm-evaluation-harness as the client: its `local-completions` backend against a live `qrt serve`,
+on a multiple-choice task (loglikelihood requests: token ids, echo, logprobs) and a generation
+task, both written here as JSON (nothing downloads), compared with lm-eval's own `hf` backend
+(transformers) on the same checkpoint."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from test_server import KEY, NAME, Server, START_TIMEOUT_S
+
+# Both sides run the float32 checkpoint in float32: a choice's loglikelihood differs by the order
+# of the sums behind it, a few 1e-6 nats per token on this tiny model, far below this bound. (In
+# bf16 against fp32, transformers itself moves by about 0.08 nats a choice on such a task.)
+NATS = 1e-3
+QUESTIONS = [
+    ("The colour of the sky on a clear day is", [" blue", " green", " loud", " seven"], 0),
+    ("Two plus two equals", [" four", " five", " a cat"], 0),
+    ("Water freezes at zero degrees", [" Celsius", " tomorrow", " quickly"], 0),
+    ("The opposite of hot is", [" cold", " hot", " purple", " running"], 0),
+    ("A baby cat is called a", [" kitten", " puppy", " tree"], 0),
+]
+
+
+def write_tasks(folder):
+    with open(folder / "mc.jsonl", "w") as out:
+        for question, choices, answer in QUESTIONS:
+            out.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
+    with open(folder / "gen.jsonl", "w") as out:
+        for question, choices, _ in QUESTIONS:
+            out.write(json.dumps({"question": question, "answer": choices[0]}) + "\n")
+    (folder / "qrt_mc.yaml").write_text(textwrap.dedent(f"""\
+        task: qrt_mc
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {folder / "mc.jsonl"}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "{{{{question}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: answer
+        metric_list:
+          - metric: acc
+        """))
+    (folder / "qrt_gen.yaml").write_text(textwrap.dedent(f"""\
+        task: qrt_gen
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {folder / "gen.jsonl"}
+        test_split: test
+        output_type: generate_until
+        doc_to_text: "{{{{question}}}}"
+        doc_to_target: answer
+        generation_kwargs:
+          until: ["\\n"]
+          max_gen_toks: 12
+          do_sample: false
+        metric_list:
+          - metric: exact_match
+        """))
+
+
+def evaluate(model: str, model_args: dict, tasks_dir) -> dict:
+    """{task: [(per-choice loglikelihoods or the generated text, per document)]} from lm-eval."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    results = simple_evaluate(model=model, model_args=model_args, tasks=["qrt_mc", "qrt_gen"],
+                              task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
+                              batch_size=1, device="cpu")
+    samples = results["samples"]
+    by_doc = {task: sorted(samples[task], key=lambda s: s["doc_id"]) for task in samples}
+    return {
+        "qrt_mc": [[float(r[0][0]) for r in s["resps"]] for s in by_doc["qrt_mc"]],
+        "qrt_mc_greedy": [[bool(r[0][1]) for r in s["resps"]] for s in by_doc["qrt_mc"]],
+        "qrt_gen": [s["resps"][0][0] for s in by_doc["qrt_gen"]],
+    }
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm-eval-tasks")
+    write_tasks(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(chat_llama_dir, tmp_path_factory):
+    srv = Server(chat_llama_dir, tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        srv.wait_ready(START_TIMEOUT_S)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow  # about 90 s: lm-eval's imports, a server, and both backends
+def test_lm_eval_against_qrt_serve_matches_its_hf_backend(served, chat_llama_dir, tasks, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    qrt = evaluate("local-completions", {
+        "model": NAME, "base_url": f"{served.url}/v1/completions", "tokenizer_backend": "huggingface",
+        "tokenizer": str(chat_llama_dir), "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True,
+    }, tasks)
+    hf = evaluate("hf", {"pretrained": str(chat_llama_dir), "dtype": "float32"}, tasks)
+    assert len(qrt["qrt_mc"]) == len(QUESTIONS)
+    worst = max(abs(a - b) for doc_q, doc_h in zip(qrt["qrt_mc"], hf["qrt_mc"]) for a, b in zip(doc_q, doc_h))
+    assert worst < NATS, (worst, qrt["qrt_mc"], hf["qrt_mc"])
+    assert qrt["qrt_mc_greedy"] == hf["qrt_mc_greedy"]
+    chosen = [max(range(len(doc)), key=doc.__getitem__) for doc in qrt["qrt_mc"]]
+    assert chosen == [max(range(len(doc)), key=doc.__getitem__) for doc in hf["qrt_mc"]]
+    assert qrt["qrt_gen"] == hf["qrt_gen"]
+    assert all(isinstance(text, str) for text in qrt["qrt_gen"])
