@@ -84,3 +84,54 @@ def test_bad_requests_are_refused(chat_model, kwargs, message):
     max_tokens = kwargs.pop("max_tokens")
     with pytest.raises(ValueError, match=message):
         chat_model.request(PROMPT, max_tokens, SamplingParams(), **kwargs)
+
+
+# ---- a request's own adjustments of the logits -------------------------------------------------
+def adjusted_by_definition(logits: list[float], params: SamplingParams, prompt, output, stops) -> list[float]:
+    """The adjustments as vLLM documents them, one token at a time in plain Python."""
+    values = list(logits)
+    for token, bias in params.logit_bias:
+        values[token] += bias
+    if len(output) < params.min_tokens:
+        for token in stops:
+            values[token] = float("-inf")
+    for token in set(prompt) | set(output):
+        r = params.repetition_penalty
+        values[token] = values[token] / r if values[token] > 0 else values[token] * r
+    for token in set(output):
+        values[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return values
+
+
+PENALIZED = SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
+                           logit_bias=((65, 4.0), (66, -3.0)), min_tokens=4)
+
+
+def test_penalties_bias_and_min_tokens_give_the_greedy_tokens_of_their_definition(chat_model, chat_llama_dir,
+                                                                                   hf_model):
+    hf = hf_model(chat_llama_dir)
+    stops = sorted(chat_model.eos_ids) + [PROMPT[2]]
+    request = chat_model.request(PROMPT, 10, PENALIZED, stop_ids=[PROMPT[2]], logprobs=0)
+    seq = run(chat_model, request, 5)
+    output = []
+    while len(output) < len(seq.tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + output])).logits[0, -1].float().tolist()
+        values = adjusted_by_definition(logits, PENALIZED, PROMPT, output, stops)
+        output.append(max(range(len(values)), key=values.__getitem__))
+    assert seq.tokens == output
+    # The reported log-probabilities stay the model's own, before the adjustments.
+    plain = reference_logprobs(hf, PROMPT + output)
+    assert max(abs(s.logprob - plain[len(PROMPT) - 1 + i, s.token].item()) for i, s in enumerate(seq.logprobs)) < CLOSE
+
+
+def test_the_adjustments_change_the_greedy_tokens(chat_model):
+    # So that the test above cannot pass with the adjustments ignored.
+    plain = run(chat_model, chat_model.request(PROMPT, 10, SamplingParams(), stop_at_eos=False), 5)
+    penalized = run(chat_model, chat_model.request(PROMPT, 10, PENALIZED, stop_at_eos=False), 5)
+    assert plain.tokens != penalized.tokens
+
+
+def reference_logprobs(hf, ids):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)

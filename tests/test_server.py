@@ -220,12 +220,49 @@ def test_chat_logprobs_list_each_token_with_its_alternatives(client, chat_model)
         assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in content)
 
 
+def test_n_choices_are_seeded_sequences_each_as_alone(client, chat_model):
+    prompt = "Once upon a time"
+    ids = chat_model.encode(prompt)
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1
+    for j, text in enumerate(texts):  # choice j is the request alone with seed 7 + j
+        engine = chat_model.engine
+        seq = engine.submit(chat_model.request(ids, 8, SamplingParams(1.0, seed=7 + j), text=True))
+        engine.run([seq])
+        assert text == seq.text, j
+    assert out.usage.prompt_tokens == len(ids)  # once, whatever n is
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=1.0, seed=3, n=2, stream=True)
+    indexes = {choice.index for chunk in chat for choice in chunk.choices}
+    assert indexes == {0, 1}
+
+
+def test_penalties_and_logit_bias_give_what_the_engine_gives_with_them(client, chat_model):
+    prompt = "la la la la la"
+    fields = dict(presence_penalty=0.8, frequency_penalty=0.5, logit_bias={"97": 2.5})
+    vllm_fields = dict(repetition_penalty=1.4, min_tokens=3)
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, **fields,
+                                    extra_body=vllm_fields)
+    params = SamplingParams(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.4,
+                            logit_bias=((97, 2.5),), min_tokens=3)
+    engine = chat_model.engine
+    seq = engine.submit(chat_model.request(chat_model.encode(prompt), 10, params, text=True))
+    engine.run([seq])
+    assert out.choices[0].text == seq.text
+    assert out.choices[0].text != expected(chat_model, chat_model.encode(prompt), 10)[0]
+
+
 @pytest.mark.parametrize("fields, param, words", [
-    (dict(n=2), "n", "n=2 is not supported"),
+    (dict(n=17), "n", "less than or equal to 16"),
+    (dict(best_of=2), "best_of", "best_of=2 is not supported"),
+    (dict(logit_bias={"999": 1}), "logit_bias", "token ids must be in [0, 300)"),
     (dict(logprobs=21), "logprobs", "less than or equal to 20"),
     (dict(max_tokens=0), None, "max_tokens=0 returns nothing without echo=true"),
     (dict(prompt=["a"] * 65), "prompt", "at most 64 prompts per request"),
-    (dict(presence_penalty=0.5), "presence_penalty", "presence_penalty=0.5 is not supported"),
+    (dict(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate", "unknown field 'frobnicate'"),
     (dict(max_tokens=2100), "max_tokens", "+ max_tokens (2100) = 210"),
     (dict(prompt=[5, 999]), "prompt", "token ids must be in [0, 300)"),

@@ -24,7 +24,7 @@ import torch
 
 from .distributed import broadcast_from_first
 from .logprobs import TokenLogprob, scored
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, adjusted, sample
 from .text_stream import TextStream
 
 DEFAULT_CHUNK = 256  # prefill tokens per step
@@ -242,7 +242,10 @@ class Engine:
         return True
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        return sample(logits.view(1, -1), seq.request.sampling, seq.generator)[0]
+        request = seq.request
+        if request.sampling.adjusts:
+            logits = adjusted(logits, request.sampling, request.prompt, seq.tokens, request.stop_ids)
+        return sample(logits.view(1, -1), request.sampling, seq.generator)[0]
 
     # ---- a request's own progress ------------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:

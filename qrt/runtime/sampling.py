@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling."""
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling, after the
+request's own adjustments (logit bias, a minimum length, repetition penalties)."""
 
 from dataclasses import dataclass
 
@@ -11,6 +12,15 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    # OpenAI's penalties on tokens already generated: minus presence_penalty once a token has
+    # appeared, minus frequency_penalty per appearance.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (after the CTRL paper): a token seen in the prompt or the output has its logit
+    # divided by this when positive, multiplied when negative. 1: off.
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    min_tokens: int = 0  # the stop tokens (and EOS) cannot come before this many new tokens
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -20,9 +30,43 @@ class SamplingParams:
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
 
+        for name, value, low, high in (("presence_penalty", self.presence_penalty, -2, 2),
+                                       ("frequency_penalty", self.frequency_penalty, -2, 2)):
+            if not (isinstance(value, (int, float)) and low <= value <= high):
+                raise ValueError(f"{name} must be a number from {low} to {high}, got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not (isinstance(self.min_tokens, int) and self.min_tokens >= 0):
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether `adjusted` changes anything for this request."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+
+def adjusted(logits: torch.Tensor, params: SamplingParams, prompt: tuple[int, ...], output: list[int],
+             stop_ids) -> torch.Tensor:
+    """logits [V] float32 with the request's adjustments, in vLLM's order: logit bias and the
+    minimum length first, then the repetition, frequency and presence penalties."""
+    logits = logits.clone()
+    for token, bias in params.logit_bias:
+        logits[token] += bias
+    if len(output) < params.min_tokens and stop_ids:
+        logits[torch.tensor(sorted(stop_ids))] = float("-inf")
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)  # [S]
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output), minlength=logits.shape[-1]).to(logits.dtype)  # [V]
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

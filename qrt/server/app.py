@@ -139,6 +139,8 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
 
     async def _serve(body, model, prompts: list["Prompt"], limit: int | None, request: Request, chat: bool,
                      scoring: "Scoring"):
+        prompt_tokens = sum(len(p.ids) for p in prompts)  # counted once per prompt, whatever n is
+        prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + j: prompt i's j-th
         requests = []
         for prompt in prompts:
             room = model.max_seq_len - len(prompt.ids)
@@ -152,17 +154,18 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         if loop.queue_depth() + len(requests) > max_queue:
             raise ApiError(503, f"the queue is full ({max_queue} requests waiting for a slot); retry shortly",
                            "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-        sampling = SamplingParams(body.temperature, body.top_k, None if body.top_p >= 1 else body.top_p, body.seed)
+        biases = body.biases()
+        _token_ids(model, [token for token, _ in biases], "logit_bias", allow_empty=True)
         try:
-            engine_requests = [model.request(prompt.ids, tokens, sampling, stop_at_eos=not body.ignore_eos,
-                                             stop_ids=stop_ids, stop_strings=body.stop_strings(), text=True,
+            engine_requests = [model.request(prompt.ids, tokens, _sampling(body, biases, i % body.n),
+                                             stop_at_eos=not body.ignore_eos, stop_ids=stop_ids,
+                                             stop_strings=body.stop_strings(), text=True,
                                              logprobs=scoring.generated, prompt_logprobs=scoring.prompt)
-                               for prompt, tokens in requests]
+                               for i, (prompt, tokens) in enumerate(requests)]
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         running = [loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
-        reply = _Reply(chat, model_name, sum(len(p.ids) for p in prompts), LogprobShapes(model.tokenizer), scoring,
-                       prompts)
+        reply = _Reply(chat, model_name, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts)
         if body.stream:
             return StreamingResponse(_stream(running, reply, body.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -212,7 +215,8 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         forwarders = [asyncio.create_task(forward(i, updates)) for i, (_, updates) in enumerate(running)]
         try:
             if reply.chat:
-                yield _event(reply.chunk(0, {"role": "assistant", "content": ""}, None, [], include_usage))
+                for index in range(len(running)):
+                    yield _event(reply.chunk(index, {"role": "assistant", "content": ""}, None, [], include_usage))
             pending = [[] for _ in running]  # scored tokens not yet sent, per choice
             # With echo, a choice's prompt goes first, with its scores: the engine has scored it by
             # the time the choice's first update comes.
@@ -246,6 +250,18 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
                 seq.cancel()
 
     return app
+
+
+def _sampling(body, biases: list, choice: int) -> SamplingParams:
+    """A choice's sampling: the request's, with seed + choice when it has a seed (so that n > 1
+    gives n different sequences, each the same on every run)."""
+    seed = None if body.seed is None else body.seed + choice
+    try:
+        return SamplingParams(body.temperature, body.top_k, None if body.top_p >= 1 else body.top_p, seed,
+                              body.presence_penalty, body.frequency_penalty, body.repetition_penalty, tuple(biases),
+                              body.min_tokens)
+    except ValueError as err:
+        raise ApiError(400, str(err)) from None
 
 
 def _engine_error(update: Update) -> dict:

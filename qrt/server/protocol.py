@@ -2,7 +2,7 @@
 
 Every field the OpenAI API defines for these endpoints is known here. Fields qrt implements take
 any valid value; fields it does not implement are accepted only at the value that means "off"
-(n=1, penalties 0, …), and anything else is a 400 naming the field.
+(best_of unset, no tools, …), and anything else is a 400 naming the field.
 Fields the API does not define are a 400 too: nothing a client sends is silently ignored.
 """
 
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from qrt.runtime.logprobs import MAX_TOP
 
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_N = 16  # choices per prompt
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -39,11 +40,7 @@ def _valid_utf8(text: str, field: str) -> str:
 _NOT_IMPLEMENTED = "qrt does not implement it"
 _NO_TOOLS = "qrt does not implement tool calling"
 OFF_ONLY = {
-    "n": ((1,), "one choice per request"),
-    "best_of": ((None, 1), "one choice per request"),
-    "presence_penalty": ((0.0,), _NOT_IMPLEMENTED),
-    "frequency_penalty": ((0.0,), _NOT_IMPLEMENTED),
-    "logit_bias": ((None, {}), _NOT_IMPLEMENTED),
+    "best_of": ((None, 1), "qrt returns every sequence it generates; use n"),
     "suffix": ((None,), _NOT_IMPLEMENTED),
     "response_format": ((None, {"type": "text"}), "qrt generates free text"),
     "tools": ((None, []), _NO_TOOLS),
@@ -66,10 +63,12 @@ class _Generation(BaseModel):
     ignore_eos: bool = False  # not OpenAI's (vLLM's): run to max_tokens, for benchmarks
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt, each its own sequence (seed + i with a seed)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias, -100 to 100
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no stop token or EOS before this many new tokens
     user: str | None = None  # an end-user id for abuse tracking: recorded by nobody, changes nothing
 
     @field_validator(*OFF_ONLY, check_fields=False)
@@ -81,6 +80,19 @@ class _Generation(BaseModel):
             raise ValueError(f"{info.field_name}={v!r} is not supported ({why}); "
                              f"leave it out or send {allowed[0]!r}")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be from -100 to 100, got {bias} for token {key}")
+        return v
+
+    def biases(self) -> list[tuple[int, float]]:
+        return [(int(key), float(bias)) for key, bias in (self.logit_bias or {}).items()]
 
     @field_validator("top_k")
     @classmethod
