@@ -255,6 +255,32 @@ def test_penalties_and_logit_bias_give_what_the_engine_gives_with_them(client, c
     assert out.choices[0].text != expected(chat_model, chat_model.encode(prompt), 10)[0]
 
 
+def test_structured_output_answers_validate_against_their_schema(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 50}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Reply in JSON."}]
+    for stream in (False, True):
+        for seed in range(3):
+            reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=1.0,
+                                                   seed=seed, response_format=fmt, stream=stream)
+            if stream:
+                text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+            else:
+                text = reply.choices[0].message.content
+            jsonschema.validate(json.loads(text), schema)
+    out = client.completions.create(model=NAME, prompt="Colour:", max_tokens=10, temperature=1.0, seed=1,
+                                    extra_body={"guided_choice": ["red", "green"]})
+    assert out.choices[0].text in ("red", "green") and out.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="structured-output grammar is invalid"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body={"guided_grammar": 'start: "a" ('})
+    with pytest.raises(openai.BadRequestError, match="one structured-output constraint per request"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=4,
+                                  extra_body={"response_format": {"type": "json_object"}, "guided_regex": "a+"})
+
+
 @pytest.mark.parametrize("fields, param, words", [
     (dict(n=17), "n", "less than or equal to 16"),
     (dict(best_of=2), "best_of", "best_of=2 is not supported"),

@@ -20,6 +20,7 @@ from qrt.formats.resolve import resolve_scheme
 from qrt.layers.prepack import prepack_cpu_weights
 from qrt.passes.backend import QrtBackend
 
+from . import structured
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
                             use_qrt_inductor_dir)
 from .direct_graph import DirectGraph
@@ -267,11 +268,12 @@ class CompiledModel:
 
     def request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, *, stop_at_eos: bool = True,
                 stop_ids=(), stop_strings: tuple[str, ...] = (), text: bool = False, logprobs: int | None = None,
-                prompt_logprobs: int | None = None) -> Request:
+                prompt_logprobs: int | None = None, grammar: str | None = None) -> Request:
         """An engine Request, checked against this model: ids in the vocabulary, prompt +
         max_tokens within the KV cache, stop strings needing a tokenizer. logprobs /
         prompt_logprobs: score the new tokens / the prompt's, with that many alternatives
-        (None: off); only a request that scores its prompt may generate nothing (max_tokens 0)."""
+        (None: off); only a request that scores its prompt may generate nothing (max_tokens 0).
+        grammar: structured output (structured.py), checked here."""
         check_top(logprobs, "logprobs")
         check_top(prompt_logprobs, "prompt_logprobs")
         least = 0 if prompt_logprobs is not None else 1
@@ -289,8 +291,10 @@ class CompiledModel:
         if (stop_strings or text) and self.tokenizer is None:
             raise ValueError(f"{self.source} has no usable tokenizer, so stop strings and text output cannot be used")
         stops = frozenset(stop_ids) | (frozenset(self.eos_ids) if stop_at_eos else frozenset())
+        if grammar is not None:
+            structured.check(grammar)
         return Request(tuple(prompt_ids), max_tokens, sampling, stops, tuple(stop_strings), text, logprobs,
-                       prompt_logprobs)
+                       prompt_logprobs, grammar)
 
     def _run_engine(self, sequences) -> None:
         """Step the engine until `sequences` are done; raise the first one's error, if any."""

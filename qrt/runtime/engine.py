@@ -25,6 +25,7 @@ import torch
 from .distributed import broadcast_from_first
 from .logprobs import TokenLogprob, scored
 from .sampling import SamplingParams, adjusted, sample
+from .structured import GrammarState, GrammarTokenizer
 from .text_stream import TextStream
 
 DEFAULT_CHUNK = 256  # prefill tokens per step
@@ -45,6 +46,7 @@ class Request:
     # The prompt's tokens scored too (the first has none), with this many alternatives; None: off.
     # With max_tokens 0 the request ends after its prompt, generating nothing.
     prompt_logprobs: int | None = None
+    grammar: str | None = None  # structured output: llguidance's grammar text (structured.py); None: free text
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Sequence:
     next_token: int | None = None  # the token the next decode step feeds
     generator: torch.Generator | None = None
     stream: TextStream | None = None
+    grammar: GrammarState | None = None
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -110,6 +113,7 @@ class Engine:
         self.chunk_size = chunk_size
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.slots: list[Sequence | None] = [None] * model.max_batch_size
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # made when a request first needs it
         self.waiting: deque[Sequence] = deque()
         # Longrope models (Phi-3) switch to long factors past the original context, for every
         # position of the sequence (as transformers does): a prompt past it prefills in one
@@ -127,8 +131,16 @@ class Engine:
             seq.generator = torch.Generator().manual_seed(request.sampling.seed)
         if request.text or request.stop_strings:
             seq.stream = TextStream(self.tokenizer, request.stop_strings)
+        if request.grammar is not None and self._guarded(seq, self._start_grammar, seq) is None:
+            return seq
         self.waiting.append(seq)
         return seq
+
+    def _start_grammar(self, seq: Sequence) -> bool:
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.model.vocab_size, self.model.eos_ids)
+        seq.grammar = self._grammar_tokenizer.matcher(seq.request.grammar)
+        return True
 
     @property
     def has_work(self) -> bool:
@@ -245,6 +257,8 @@ class Engine:
         request = seq.request
         if request.sampling.adjusts:
             logits = adjusted(logits, request.sampling, request.prompt, seq.tokens, request.stop_ids)
+        if seq.grammar is not None:
+            logits = seq.grammar.masked(logits)
         return sample(logits.view(1, -1), request.sampling, seq.generator)[0]
 
     # ---- a request's own progress ------------------------------------------------------------------
@@ -255,9 +269,11 @@ class Engine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         request = seq.request
-        text = seq.stream.add(token) if seq.stream is not None else ""
+        stop_token = token in request.stop_ids  # kept in the ids, not in the text
+        text = seq.stream.add(token) if seq.stream is not None and not stop_token else ""
         reason = None
-        if token in request.stop_ids or (seq.stream is not None and seq.stream.stopped):
+        complete = seq.grammar is not None and seq.grammar.accept(token)
+        if complete or stop_token or (seq.stream is not None and seq.stream.stopped):
             reason = STOP
         elif len(seq.tokens) >= request.max_tokens:
             reason = LENGTH

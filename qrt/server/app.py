@@ -157,10 +157,12 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         biases = body.biases()
         _token_ids(model, [token for token, _ in biases], "logit_bias", allow_empty=True)
         try:
+            grammar = body.grammar()
             engine_requests = [model.request(prompt.ids, tokens, _sampling(body, biases, i % body.n),
                                              stop_at_eos=not body.ignore_eos, stop_ids=stop_ids,
                                              stop_strings=body.stop_strings(), text=True,
-                                             logprobs=scoring.generated, prompt_logprobs=scoring.prompt)
+                                             logprobs=scoring.generated, prompt_logprobs=scoring.prompt,
+                                             grammar=grammar)
                                for i, (prompt, tokens) in enumerate(requests)]
         except ValueError as err:
             raise ApiError(400, str(err)) from None

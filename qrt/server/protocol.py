@@ -6,10 +6,12 @@ any valid value; fields it does not implement are accepted only at the value tha
 Fields the API does not define are a 400 too: nothing a client sends is silently ignored.
 """
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from qrt.runtime import structured
 from qrt.runtime.logprobs import MAX_TOP
 
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -42,7 +44,6 @@ _NO_TOOLS = "qrt does not implement tool calling"
 OFF_ONLY = {
     "best_of": ((None, 1), "qrt returns every sequence it generates; use n"),
     "suffix": ((None,), _NOT_IMPLEMENTED),
-    "response_format": ((None, {"type": "text"}), "qrt generates free text"),
     "tools": ((None, []), _NO_TOOLS),
     "tool_choice": ((None, "none"), _NO_TOOLS),
     "parallel_tool_calls": ((None, False), _NO_TOOLS),
@@ -69,6 +70,13 @@ class _Generation(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias, -100 to 100
     min_tokens: int = Field(0, ge=0)  # vLLM's: no stop token or EOS before this many new tokens
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # an end-user id for abuse tracking: recorded by nobody, changes nothing
 
     @field_validator(*OFF_ONLY, check_fields=False)
@@ -90,6 +98,46 @@ class _Generation(BaseModel):
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be from -100 to 100, got {bias} for token {key}")
         return v
+
+    def grammar(self) -> str | None:
+        """llguidance's grammar for the output this request constrains (None: free text); a
+        ValueError names what is wrong with the fields."""
+        asked = []
+        fmt = self.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", structured.json_object))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            asked.append(("response_format", lambda: structured.json_schema(schema)))
+        elif kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+        vllm = dict(self.structured_outputs or {})
+        unknown = set(vllm) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ValueError(f"structured_outputs: {sorted(unknown)} not supported; use json, regex, choice or grammar")
+        for key, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                           ("grammar", self.guided_grammar)):
+            if value is not None:
+                vllm[key] = value
+        for key, value in vllm.items():
+            if key == "json" or key == "json_object":
+                schema = {"type": "object"} if key == "json_object" else (
+                    json.loads(value) if isinstance(value, str) else value)
+                asked.append((key, lambda schema=schema: structured.json_schema(schema)))
+            elif key == "regex":
+                asked.append((key, lambda value=value: structured.regex(value)))
+            elif key == "choice":
+                if not value or not all(isinstance(option, str) for option in value):
+                    raise ValueError("choice needs a list of strings")
+                asked.append((key, lambda value=value: structured.choice(value)))
+            else:
+                asked.append((key, lambda value=value: structured.lark(value)))
+        if len(asked) > 1:
+            raise ValueError(f"one structured-output constraint per request, got {[name for name, _ in asked]}")
+        return asked[0][1]() if asked else None
 
     def biases(self) -> list[tuple[int, float]]:
         return [(int(key), float(bias)) for key, bias in (self.logit_bias or {}).items()]
@@ -198,7 +246,6 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None

@@ -1,0 +1,85 @@
+"""Structured output: a request's text held to a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or a Lark grammar, by masking at each step the tokens that
+cannot continue it. The grammar engine is llguidance (the one llama.cpp and vLLM use): its
+per-token mask took about 50 µs on this project's 2-core machine for the default model's 49,152
+tokens, against a decode step of several milliseconds.
+
+A request carries its grammar as llguidance's JSON text (hashable, checked when the request is
+made); the engine keeps a matcher per sequence, masks the logits after the request's own
+adjustments, and ends the request when the grammar can take nothing more.
+"""
+
+import re
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+# JSON without free whitespace: a model may otherwise fill its token budget with spaces and
+# newlines, which a schema allows between any two tokens.
+_COMPACT = {"whitespace_flexible": False}
+
+
+def json_schema(schema: dict) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+
+
+def json_object() -> str:
+    return json_schema({"type": "object"})
+
+
+def regex(pattern: str) -> str:
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
+
+
+def choice(options: list[str]) -> str:
+    return regex("|".join(f"(?:{re.escape(option)})" for option in options))
+
+
+def lark(grammar: str) -> str:
+    return llguidance.LLMatcher.grammar_from_lark(grammar)
+
+
+def check(grammar: str) -> None:
+    """Raise ValueError with llguidance's message when `grammar` cannot be compiled."""
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"the structured-output grammar is invalid: {error}")
+
+
+class GrammarTokenizer:
+    """llguidance's view of a model's vocabulary, made once per tokenizer (about half a second)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
+
+    def matcher(self, grammar: str) -> "GrammarState":
+        return GrammarState(llguidance.LLMatcher(self.tokenizer, grammar), self.vocab_size)
+
+
+class GrammarState:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        self._raise_on_error()
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] float32 with every token the grammar cannot take next at -inf."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        logits = logits.clone().view(1, -1)
+        llguidance.torch.apply_token_bitmask_inplace(logits, self.mask)
+        return logits[0]
+
+    def accept(self, token: int) -> bool:
+        """Take the sampled token; True once the grammar is complete (nothing may follow)."""
+        self.matcher.consume_token(token)
+        self._raise_on_error()
+        return self.matcher.is_stopped()
+
+    def _raise_on_error(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"structured output: {self.matcher.get_error()}")
