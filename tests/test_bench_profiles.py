@@ -1,4 +1,5 @@
-"""bench/profile_decode.py, bench/profile_compile.py, bench/context.py and bench/decode_attention.py:
+"""bench/profile_decode.py, bench/profile_compile.py, bench/context.py, bench/decode_attention.py and
+bench/structured_mask.py:
 their bookkeeping on made-up timers and event names, and one end-to-end run each on a tiny random
 Llama (or the kernel alone), so they cannot rot."""
 
@@ -119,3 +120,9 @@ def test_profile_compile_shows_the_warm_start_served_from_the_cache(one_layer_ll
     cold, warm = rows["C++ compile + load"]
     assert warm < cold, out  # the generated kernels were compiled once, then loaded from the cache
     assert all(rows[phase][0] >= 0 for phase in PHASES if phase != "other"), out
+
+
+@pytest.mark.bench  # the default model's tokenizer and a few masks, a few seconds
+def test_structured_mask_bench_masks_every_row(tmp_path):
+    out = run_bench("bench/structured_mask.py", "--batch", "2", "--steps", "4", tmp_path=tmp_path)
+    assert re.search(r"^llguidance, batch 2: \d+ µs per step \(p90 \d+\), \d+ µs per row$", out, re.M), out
