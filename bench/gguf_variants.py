@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from qrt.runtime.default_model import DEFAULT_MODEL_NAME, _cache_root, _gguf_path  # noqa: E402
+from qrt.runtime.default_model import DEFAULT_MODEL_NAME, cache_root, gguf_path  # noqa: E402
 
 DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
 
@@ -23,11 +23,11 @@ DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant
 def default_model_ggufs() -> list[Path]:
     """[BF16, Q8_0, Q4_1] GGUF files of the default model, writing the derived ones on first use."""
     derived = [_derived(variant) for variant in DERIVED]
-    return derived + [_gguf_path()]
+    return derived + [gguf_path()]
 
 
 def _derived(variant: str) -> Path:
-    path = _cache_root(None) / "bench" / "gguf" / f"{DEFAULT_MODEL_NAME}.{variant}.gguf"
+    path = cache_root() / "bench" / "gguf" / f"{DEFAULT_MODEL_NAME}.{variant}.gguf"
     if path.is_file():
         return path
     import llama_cpp
@@ -37,10 +37,10 @@ def _derived(variant: str) -> Path:
     params.allow_requantize = True  # the source is already quantized (Q4_1)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")  # never leave a half-written file under the final name
-    status = llama_cpp.llama_model_quantize(str(_gguf_path()).encode(), str(partial).encode(), ctypes.byref(params))
+    status = llama_cpp.llama_model_quantize(str(gguf_path()).encode(), str(partial).encode(), ctypes.byref(params))
     if status != 0:
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"llama.cpp could not write {variant} from {_gguf_path()} (status {status})")
+        raise RuntimeError(f"llama.cpp could not write {variant} from {gguf_path()} (status {status})")
     partial.rename(path)
     return path
 

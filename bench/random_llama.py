@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from qrt.runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+from qrt.runtime.default_model import cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
 
 LLAMA_1B = dict(
     hidden_size=2048,
@@ -53,7 +53,7 @@ def random_llama_path(progress: bool = True) -> Path:
 def cached_random_checkpoint(name: str, shape: dict, write, writer_version: int, what: str | None) -> Path:
     """The folder bench/<name> of qrt's cache holding `write(folder, shape)`'s checkpoint, written
     on first use (saying `what` it writes, unless None)."""
-    final = _cache_root(None) / "bench" / name
+    final = cache_root() / "bench" / name
     marker = json.dumps({"config": shape, "writer_version": writer_version, "seed": SEED})
     if (final / MARKER).is_file() and (final / MARKER).read_text() == marker:
         return final

@@ -21,14 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from bench.measure import wall_time  # noqa: E402
-from qrt.runtime.default_model import _cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+from qrt.runtime.default_model import cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
 
 BANDWIDTH_BYTES = 2**30
 BANDWIDTH_RUNS = 7
 
 
 def cache_file() -> Path:
-    return _cache_root(None) / "bench" / "bandwidth.json"
+    return cache_root() / "bench" / "bandwidth.json"
 
 
 def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, runs: int = BANDWIDTH_RUNS) -> dict:

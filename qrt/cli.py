@@ -21,7 +21,7 @@ DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def main(argv=None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         leave_process_group()
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qrt", description="torch.compile-first runtime for quantized LLM checkpoints")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True)

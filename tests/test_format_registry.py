@@ -10,7 +10,7 @@ from qrt.errors import UnsupportedError
 from qrt.formats.resolve import resolve_scheme
 from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
                                  stored_formats)
-from qrt.cli import _parser
+from qrt.cli import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -31,7 +31,7 @@ def test_every_registered_format_is_in_the_table():
 
 
 def test_quant_help_lists_the_online_formats():
-    generate = _parser()._subparsers._group_actions[0].choices["generate"]
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     help_text = next(a.help for a in generate._actions if "--quant" in a.option_strings)
     for name in online_formats():
         assert name in help_text

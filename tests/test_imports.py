@@ -1,6 +1,6 @@
-"""The import graph of qrt's modules has no cycle, and each layer imports only the layers below it
-(docs/architecture.md draws them). Read from the source with `ast`, every import statement
-counted, those inside functions too."""
+"""The import graph of qrt's modules has no cycle, each layer imports only the layers below it
+(docs/architecture.md draws them), and tests and benches import no private name of qrt. Read from
+the source with `ast`, every import statement counted, those inside functions too."""
 
 import ast
 from pathlib import Path
@@ -100,3 +100,15 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path, monkeypatch):
         assert "qrt.layers.a -> qrt.formats.b -> qrt.layers.a" in str(err) or "qrt.formats.b -> qrt.layers.a" in str(err)
     else:
         raise AssertionError("the circle was not found")
+
+
+def test_tests_and_benches_import_only_public_names_of_qrt():
+    checkout = ROOT.parent
+    private = []
+    for folder in ("tests", "bench"):
+        for path in sorted((checkout / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qrt"):
+                    private += [f"{path.relative_to(checkout)}: {node.module}.{alias.name}"
+                                for alias in node.names if alias.name.startswith("_")]
+    assert not private, "\n".join(private)

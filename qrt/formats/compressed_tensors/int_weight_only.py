@@ -54,7 +54,7 @@ def _check_weight_shape(param, loaded, shard_id, *, layer):
     param.data[shard_slot(layer, shard_id)] = loaded.reshape(-1)
 
 
-def _load_zero_point(param, loaded, shard_id, *, layer, bits):
+def load_zero_point(param, loaded, shard_id, *, layer, bits):
     """Packed int32 [ceil(n / pf), groups] or legacy int8 [n, groups] -> unsigned [n, groups]."""
     rows = param.data if layer.shard_layout is None else layer.shard_layout.rows(param.data, shard_id)
     n, groups = rows.shape
@@ -110,7 +110,7 @@ class CtIntLinearMethod(LinearMethod):
         if not cfg.symmetric:
             layer.weight_zero_point = make_parameter(
                 torch.empty(n, groups, dtype=torch.int32),  # [N, groups] unsigned zero points
-                weight_loader=partial(_load_zero_point, layer=layer, bits=cfg.bits), output_dim=0, **common,
+                weight_loader=partial(load_zero_point, layer=layer, bits=cfg.bits), output_dim=0, **common,
             )
         layer.weight_g_idx = g_idx_parameter(layer, **common)
 
