@@ -4,12 +4,11 @@ task, both written here as JSON (nothing downloads), compared with lm-eval's own
 (transformers) on the same checkpoint."""
 
 import json
-import os
 import textwrap
 
 import pytest
 
-from test_server import KEY, NAME, Server, START_TIMEOUT_S
+from test_server import KEY, NAME, server  # noqa: F401  (the fixture: `qrt serve` on the tiny chat model)
 
 # Both sides run the float32 checkpoint in float32: a choice's loglikelihood differs by the order
 # of the sums behind it, a few 1e-6 nats per token on this tiny model, far below this bound. (In
@@ -88,23 +87,13 @@ def tasks(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def served(chat_llama_dir, tmp_path_factory):
-    srv = Server(chat_llama_dir, tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready(START_TIMEOUT_S)
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.mark.slow  # about 90 s: lm-eval's imports, a server, and both backends
-def test_lm_eval_against_qrt_serve_matches_its_hf_backend(served, chat_llama_dir, tasks, monkeypatch):
+def test_lm_eval_against_qrt_serve_matches_its_hf_backend(server, chat_llama_dir, tasks, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     qrt = evaluate("local-completions", {
-        "model": NAME, "base_url": f"{served.url}/v1/completions", "tokenizer_backend": "huggingface",
+        "model": NAME, "base_url": f"{server.url}/v1/completions", "tokenizer_backend": "huggingface",
         "tokenizer": str(chat_llama_dir), "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True,
     }, tasks)
     hf = evaluate("hf", {"pretrained": str(chat_llama_dir), "dtype": "float32"}, tasks)

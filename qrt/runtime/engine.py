@@ -131,16 +131,16 @@ class Engine:
             seq.generator = torch.Generator().manual_seed(request.sampling.seed)
         if request.text or request.stop_strings:
             seq.stream = TextStream(self.tokenizer, request.stop_strings)
-        if request.grammar is not None and self._guarded(seq, self._start_grammar, seq) is None:
-            return seq
-        self.waiting.append(seq)
+        if request.grammar is not None:
+            self._guarded(seq, self._start_grammar, seq)
+        if not seq.done:  # a grammar that failed to start has ended the request
+            self.waiting.append(seq)
         return seq
 
-    def _start_grammar(self, seq: Sequence) -> bool:
+    def _start_grammar(self, seq: Sequence) -> None:
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.model.vocab_size, self.model.eos_ids)
         seq.grammar = self._grammar_tokenizer.matcher(seq.request.grammar)
-        return True
 
     @property
     def has_work(self) -> bool:
@@ -212,7 +212,9 @@ class Engine:
                 # A prompt is scored on its first way through (not when a long context restarts it).
                 scoring = seq.request.prompt_logprobs is not None and not seq.tokens
                 out = self._guarded(seq, self.model.prefill_chunk, seq.feed[start:end], start, seq.slot, scoring)
-                if out is None or (scoring and self._guarded(seq, self._score_prompt, seq, out[1], start) is None):
+                if out is not None and scoring:
+                    self._guarded(seq, self._score_prompt, seq, out[1], start)
+                if seq.done:  # the chunk or its scoring failed, which ended the request
                     break
                 logits = out[0] if scoring else out
                 seq.position = end
@@ -241,7 +243,7 @@ class Engine:
             seq.position += 1
         return [(seq, logits[seq.slot]) for seq in decoding]
 
-    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> bool:
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Each prompt token that follows this chunk's positions, scored from their hidden
         states [T, D]; the prompt's first token gets None (nothing comes before it)."""
         prompt = seq.request.prompt
@@ -251,7 +253,6 @@ class Engine:
         if rows > 0:
             logits = self.model.position_logits(hidden[:rows])  # [rows, V]
             seq.prompt_logprobs += scored(logits, list(prompt[start + 1:start + 1 + rows]), seq.request.prompt_logprobs)
-        return True
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         request = seq.request

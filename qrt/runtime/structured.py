@@ -12,8 +12,6 @@ adjustments, and ends the request when the grammar can take nothing more.
 import re
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 # JSON without free whitespace: a model may otherwise fill its token budget with spaces and
@@ -52,6 +50,11 @@ class GrammarTokenizer:
     """llguidance's view of a model's vocabulary, made once per tokenizer (about half a second)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        # Imported only once a request asks for structured output: llguidance.hf loads parts of
+        # transformers, which would otherwise join every start-up (about 0.4 s, `python -X importtime`).
+        import llguidance.hf
+        import llguidance.torch  # noqa: F401  (GrammarState's masks)
+
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
 
