@@ -18,6 +18,11 @@ SUM_RTOL = 1e-4
 # One bf16 step relative to the value. The GPU rounds fp32 -> bf16 to nearest (half a step off at
 # most) but Triton's interpreter truncates (up to a whole step).
 BF16_RTOL = 2.0**-7
+# Relative error allowed on sums added by fp8 tensor cores, measured against sum(|terms|) as
+# SUM_RTOL is: Hopper's fp8 MMA adds its products in an accumulator of about 14 significant bits
+# before each promotion to fp32 (DeepSeek-V3's technical report, section 3.3.2), which the kernels
+# make after every K block. Measured on an H200: up to 1.5e-4. The interpreter sums in fp32.
+FP8_MMA_RTOL = 2.0**-12 if DEVICE == "cuda" else SUM_RTOL
 
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> None:
@@ -62,3 +67,17 @@ def fp8_cpu_kernel(logical: str) -> str:
     from qrt.kernels import native_cpu
 
     return f"{logical}_native_cpu" if native_cpu.available() else f"{logical}_cpu"
+
+
+def on_device(op):
+    """`op` called with its tensor arguments moved to DEVICE and its result brought back to the
+    CPU: for tests that draw their inputs on the CPU (seeded CPU generators) and compare with
+    reference ops run there. Where DEVICE is the CPU, the moves do nothing."""
+
+    def call(*args):
+        out = op(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+        if isinstance(out, tuple):  # some results may be None (no zero point)
+            return tuple(None if o is None else o.cpu() for o in out)
+        return out.cpu()
+
+    return call

@@ -73,8 +73,9 @@ def test_triton_experts_match_the_per_expert_loop(case, tokens, experts, top_k, 
     got = torch.ops.qrt.fused_experts_triton(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), *args)
     assert got.dtype == dtype and got.shape == (tokens, D)
     # Both sum the same products in fp32 in another order; bf16 outputs (and the bf16 hidden
-    # state between the two projections) add a rounding step each.
-    scale = expected.float().abs() + expected.float().abs().mean()
+    # state between the two projections) add a rounding step each. An output that cancels down
+    # far below its row's values still carries the roundings of its terms, hence the row's largest.
+    scale = expected.float().abs() + expected.float().abs().amax(dim=-1, keepdim=True)
     tol = scale * (SUM_RTOL if dtype == torch.float32 else 4 * BF16_RTOL)
     assert_within(got.cpu(), expected.cpu(), tol.cpu())
 

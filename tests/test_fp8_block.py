@@ -13,7 +13,7 @@ from torch._inductor import config as inductor_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qrt.kernels  # noqa: F401  (registers the ops)
-from kernel_checks import BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, assert_within, random_bias
+from kernel_checks import BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, random_bias
 from qrt.kernels.fp8_block_cpu import fp8_block_linear_cpu
 from qrt.kernels.fp8_block_reference import dequantize_block_fp8, dequantize_groups_fp8, quantize_groups_fp8
 from qrt.kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton
@@ -132,7 +132,7 @@ def check_cpu_kernel(b, t, n, k, blocks, dtype, has_bias, seed):
     bound = _sum_bound(x, wq, ws, bias, block_n, block_k).reshape(b, t, n)
     if dtype == torch.float32:
         # Same operands as the reference; only the summation order differs.
-        tol = SUM_RTOL * bound
+        tol = FP8_MMA_RTOL * bound
     else:
         # Both GEMM operands are rounded to bf16 (2**-9 relative each, 2**-8 per product) and so is
         # each GEMM's output (2**-9 of its sum of |terms|, two GEMMs when K is ragged): 2**-7 of
@@ -234,7 +234,7 @@ def check_linear(b, t, n, k, blocks, dtype, has_bias, seed):
     assert out.dtype == dtype and out.shape == (b, t, n)
     # Quantization is bit-exact (tested above) and fp8 × fp8 products are exact in fp32, so only
     # the order of fp32 sums and scalings differs: K * 2**-24 of the sum of |terms| at most.
-    tol = SUM_RTOL * _sum_bound(x, wq, ws, bias, block_n, block_k).reshape(b, t, n)
+    tol = FP8_MMA_RTOL * _sum_bound(x, wq, ws, bias, block_n, block_k).reshape(b, t, n)
     if dtype != torch.float32:
         # The interpreter truncates to bf16 (up to one step off), the reference rounds (half).
         tol = tol + 1.5 * BF16_RTOL * expected.float().abs()

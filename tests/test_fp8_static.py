@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qrt.kernels  # noqa: F401  (registers the ops)
-from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, assert_within, fp8_sum_bound, fp8_weights,
+from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, fp8_sum_bound, fp8_weights,
                            random_bias)
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
 from qrt.kernels.fp8_static_cpu import fp8_static_linear_cpu
@@ -101,7 +101,7 @@ def test_cpu_kernel_matches_reference(b, t, n, k, dtype, has_bias, seed):
     bound = fp8_sum_bound(quantize_static_fp8(x.reshape(-1, k), s_in), s_in, wq, ws, bias).reshape(b, t, n)
     if dtype == torch.float32:
         # Same operands as the reference; only the summation order differs.
-        tol = SUM_RTOL * bound
+        tol = FP8_MMA_RTOL * bound
     else:
         # The GEMM's output is rounded to bf16 before scaling (half a step, 2**-9 of its sum of
         # |terms|; 2**-8 leaves room for the fp32 order), then both sides round the result.
@@ -165,7 +165,7 @@ def check_linear(b, t, n, k, dtype, has_bias, seed):
     # Codes are bit-exact (tested above) and the epilogue multiplies in the reference's order, so
     # only the order of the fp32 sum differs: K * 2**-24 of the sum of |terms| at most.
     xq = quantize_static_fp8(x.reshape(-1, k), s_in)
-    tol = SUM_RTOL * fp8_sum_bound(xq, s_in, wq, ws, bias).reshape(b, t, n)
+    tol = FP8_MMA_RTOL * fp8_sum_bound(xq, s_in, wq, ws, bias).reshape(b, t, n)
     if dtype != torch.float32:
         # The interpreter truncates to bf16 (up to one step off), the reference rounds (half).
         tol = tol + 1.5 * BF16_RTOL * expected.float().abs()

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, SUM_RTOL, assert_within, fp8_sum_bound, fp8_weights,
+from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, fp8_sum_bound, fp8_weights,
                            random_bias)
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton
@@ -56,7 +56,7 @@ def check_gemm(m: int, n: int, k: int, out_dtype: torch.dtype, has_bias: bool, s
     expected = (xq.float() @ wq.float().t()) * x_scale * w_scale[None, :]  # [M, N] fp32
     if bias is not None:
         expected = expected + bias
-    tol = SUM_RTOL * fp8_sum_bound(xq, x_scale, wq, w_scale, bias)
+    tol = FP8_MMA_RTOL * fp8_sum_bound(xq, x_scale, wq, w_scale, bias)
     if out_dtype == torch.bfloat16:
         tol = tol + BF16_RTOL * expected.abs()
     assert_within(out, expected, tol)
@@ -73,7 +73,7 @@ def check_linear(b: int, t: int, n: int, k: int, dtype: torch.dtype, has_bias: b
 
     assert out.dtype == dtype and out.shape == (b, t, n)
     xq, x_scale = quantize_rows_fp8(x.reshape(-1, k))
-    tol = SUM_RTOL * fp8_sum_bound(xq, x_scale, wq, w_scale, bias).reshape(b, t, n)
+    tol = FP8_MMA_RTOL * fp8_sum_bound(xq, x_scale, wq, w_scale, bias).reshape(b, t, n)
     if dtype != torch.float32:
         # The kernel's output is up to one step off the exact value, the reference's half a step.
         tol = tol + 1.5 * BF16_RTOL * expected.float().abs()

@@ -12,7 +12,7 @@ from torch import nn
 
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from int_checkpoints import pack_fields
-from kernel_checks import random_rows
+from kernel_checks import on_device, random_rows
 from qrt.kernels import native_cpu, pair_layout
 from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import int_linear_reference, unpack_rows
@@ -107,7 +107,7 @@ def test_triton_int_gemm_matches_reference(m, k, n, bits, group_size, act_order,
     layer, _ = random_layer(k, n, bits, group_size, act_order=act_order, seed=m * k + n)
     x = random_rows(m, k)
     bias = torch.randn(n) if with_bias else None
-    out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], layer["zeros"], layer["perm"], bias,
+    out = on_device(torch.ops.qrt.int_linear_triton)(x, layer["qweight"], layer["scales"], layer["zeros"], layer["perm"], bias,
                                           layer["bits"], layer["group_size"])
     assert out.shape == (m, n)
     assert relative_l2(out, _reference(x, layer, bias)) < 1e-5
@@ -117,7 +117,7 @@ def test_triton_int_gemm_matches_reference(m, k, n, bits, group_size, act_order,
 def test_triton_int_gemm_half_precision_activations(dtype):
     layer, _ = random_layer(320, 72, 4, 128, act_order=True, seed=9)  # 320 = 2.5 groups of 128
     x = random_rows(5, 320, dtype).reshape(1, 5, 320)  # leading batch dim is flattened and restored
-    out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"].to(dtype), layer["zeros"].to(dtype),
+    out = on_device(torch.ops.qrt.int_linear_triton)(x, layer["qweight"], layer["scales"].to(dtype), layer["zeros"].to(dtype),
                                           layer["perm"], None, 4, 128)
     assert out.shape == (1, 5, 72) and out.dtype == dtype
     expected = _reference(x.float(), {**layer, "scales": layer["scales"].to(dtype)})
@@ -144,7 +144,7 @@ def test_triton_int_gemm_reads_scales_and_zeros_by_their_own_strides():
     zeros = layer["zeros"].t().contiguous().t()  # the same values, column-major
     assert zeros.stride() != layer["scales"].stride()
     x = random_rows(3, 128)
-    out = torch.ops.qrt.int_linear_triton(x, layer["qweight"], layer["scales"], zeros, None, None, 4, 32)
+    out = on_device(torch.ops.qrt.int_linear_triton)(x, layer["qweight"], layer["scales"], zeros, None, None, 4, 32)
     assert relative_l2(out, _reference(x, layer)) < 1e-5
 
 

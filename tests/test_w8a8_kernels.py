@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
-from kernel_checks import random_rows
+from kernel_checks import on_device, random_rows
 from qrt.kernels.int8_fused_reference import rms_norm_quant_int8_reference, silu_mul_quant_int8_reference
 from qrt.kernels.int8_reference import (int8_linear_reference, quantize_activations_int8, quantize_rows_int8,
                                     weight_row_sums)
@@ -118,7 +118,7 @@ def test_triton_activation_quantization_matches_reference_exactly(m, k, scheme, 
     input_scale, zero_point, asym = SCHEMES[scheme]
     x = random_rows(m, k, dtype, seed=k, shift=0.4) * 3
     expected = quantize_activations_int8(x, input_scale, zero_point, asym)
-    got = quantize_activations_int8_triton(x, input_scale, zero_point, asym)
+    got = on_device(quantize_activations_int8_triton)(x, input_scale, zero_point, asym)
     for a, b in zip(got, expected):
         assert (a is None) == (b is None)
         if a is not None:
@@ -133,7 +133,7 @@ def test_triton_int8_gemm_matches_reference(m, k, n, scheme, with_bias):
     input_scale, zero_point, sums = _scheme_args(scheme, weight)
     bias = torch.randn(n) if with_bias else None
     x = random_rows(m, k, shift=0.2)
-    out = torch.ops.qrt.int8_linear_triton(x, weight, weight_scale, input_scale, zero_point, sums, bias)
+    out = on_device(torch.ops.qrt.int8_linear_triton)(x, weight, weight_scale, input_scale, zero_point, sums, bias)
     expected = int8_linear_reference(x, weight, weight_scale, input_scale, zero_point, sums, bias)
     assert out.shape == (m, n)
     # Exact integer sums and the reference's epilogue order: equal up to fp32 rounding.
@@ -143,7 +143,7 @@ def test_triton_int8_gemm_matches_reference(m, k, n, scheme, with_bias):
 def test_triton_int8_gemm_half_precision_and_batch_dims():
     weight, weight_scale = random_int8_layer(72, 320, seed=4)
     x = random_rows(5, 320, torch.bfloat16).reshape(1, 5, 320)
-    out = torch.ops.qrt.int8_linear_triton(x, weight, weight_scale, None, None, None, None)
+    out = on_device(torch.ops.qrt.int8_linear_triton)(x, weight, weight_scale, None, None, None, None)
     assert out.shape == (1, 5, 72) and out.dtype == torch.bfloat16
     expected = int8_linear_reference(x, weight, weight_scale, None, None, None, None)
     # The interpreter truncates the bf16 output (the GPU rounds it): up to 2**-8 relative.
@@ -186,7 +186,7 @@ def test_triton_w4a8_gemm_matches_reference(m, k, n, group_size, with_bias):
     qweight, group_scales, channel_scales, group = random_w4a8_layer(k, n, group_size, seed=m + k * n)
     bias = torch.randn(n) if with_bias else None
     x = random_rows(m, k)
-    out = torch.ops.qrt.w4a8_linear_triton(x, qweight, group_scales, channel_scales, bias, group)
+    out = on_device(torch.ops.qrt.w4a8_linear_triton)(x, qweight, group_scales, channel_scales, bias, group)
     expected = w4a8_linear_reference(x, qweight, group_scales, channel_scales, bias, group)
     assert out.shape == (m, n)
     assert relative_l2(out, expected) < 1e-6
@@ -208,7 +208,7 @@ def _codes_agree(got, expected):
 def test_fused_rms_norm_quantization_matches_reference(dtype, shape, unit_offset):
     x = (torch.randn(*shape, generator=_gen(5)) * 2).to(dtype)
     weight = (torch.randn(shape[-1], generator=_gen(6)) * 0.1 + (0 if unit_offset else 1)).to(dtype)
-    _codes_agree(torch.ops.qrt.rms_norm_quant_int8_triton(x, weight, 1e-5, unit_offset),
+    _codes_agree(on_device(torch.ops.qrt.rms_norm_quant_int8_triton)(x, weight, 1e-5, unit_offset),
                  rms_norm_quant_int8_reference(x, weight, 1e-5, unit_offset))
 
 
@@ -216,19 +216,19 @@ def test_fused_rms_norm_quantization_matches_reference(dtype, shape, unit_offset
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 320), (7, 2200)])
 def test_fused_silu_mul_quantization_matches_reference(dtype, shape):
     y = (torch.randn(*shape, generator=_gen(7)) * 3).to(dtype)
-    _codes_agree(torch.ops.qrt.silu_mul_quant_int8_triton(y), silu_mul_quant_int8_reference(y))
+    _codes_agree(on_device(torch.ops.qrt.silu_mul_quant_int8_triton)(y), silu_mul_quant_int8_reference(y))
 
 
 def test_gemm_only_ops_match_the_full_kernels():
     weight, weight_scale = random_int8_layer(48, 160, seed=8)
     x = random_rows(2, 160).reshape(2, 1, 160)
     q, s, _ = quantize_rows_int8(x.reshape(2, 160))
-    got = torch.ops.qrt.int8_gemm_triton(q.reshape(2, 1, 160), s.reshape(2, 1, 1), weight, weight_scale, None,
+    got = on_device(torch.ops.qrt.int8_gemm_triton)(q.reshape(2, 1, 160), s.reshape(2, 1, 1), weight, weight_scale, None,
                                          torch.float32)
-    assert torch.equal(got, torch.ops.qrt.int8_linear_triton(x, weight, weight_scale, None, None, None, None))
+    assert torch.equal(got, on_device(torch.ops.qrt.int8_linear_triton)(x, weight, weight_scale, None, None, None, None))
     qweight, group_scales, channel_scales, group = random_w4a8_layer(160, 48, 32, seed=9)
-    got = torch.ops.qrt.w4a8_gemm_triton(q, s, qweight, group_scales, channel_scales, None, group, torch.float32)
-    assert torch.equal(got, torch.ops.qrt.w4a8_linear_triton(x.reshape(2, 160), qweight, group_scales,
+    got = on_device(torch.ops.qrt.w4a8_gemm_triton)(q, s, qweight, group_scales, channel_scales, None, group, torch.float32)
+    assert torch.equal(got, on_device(torch.ops.qrt.w4a8_linear_triton)(x.reshape(2, 160), qweight, group_scales,
                                                              channel_scales, None, group))
 
 
@@ -238,4 +238,4 @@ def test_inconsistent_activation_arguments_are_refused():
     with pytest.raises(ValueError, match="zero point needs a static input scale"):
         int8_linear_reference(x, weight, weight_scale, None, torch.tensor([3]), weight_row_sums(weight), None)
     with pytest.raises(ValueError, match="need weight_sums"):
-        torch.ops.qrt.int8_linear_triton(x, weight, weight_scale, torch.tensor([0.1]), torch.tensor([3]), None, None)
+        on_device(torch.ops.qrt.int8_linear_triton)(x, weight, weight_scale, torch.tensor([0.1]), torch.tensor([3]), None, None)

@@ -23,6 +23,7 @@ from qrt.kernels.int_reference import pack_factor, pack_rows, unpack_rows
 from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.formats.int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters
 from qrt.layers.tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, largest_tp, rank_columns
+from qrt.kernels.exact_division import divide_exactly
 from qrt.layers.linear import LinearMethod, check_shape, make_parameter
 from qrt.formats.registry import online_format
 
@@ -59,16 +60,16 @@ def quantize_int_rows(w: torch.Tensor, bits: int, group_size: int, scale_dtype: 
     if bits == 8:
         # Padding zeros cannot raise a group's amax, so the partial last group is unaffected.
         amax = grid.abs().amax(dim=-1)  # [n, groups]
-        scales = (amax / 127.0).clamp(min=_MIN_SCALE).to(scale_dtype)
+        scales = divide_exactly(amax, 127.0).clamp(min=_MIN_SCALE).to(scale_dtype)
         zeros = torch.full_like(amax, 128.0)
         q = (grid / scales.float()[..., None]).round().clamp(-127, 127) + 128
     else:
         maxq = 2**bits - 1
         # Pad with each row's last value, which lies in the partial group: padding never widens its range.
-        grid = torch.where(torch.arange(groups * group_size).view(groups, group_size) < k, grid,
+        grid = torch.where(torch.arange(groups * group_size, device=grid.device).view(groups, group_size) < k, grid,
                            w.float()[:, -1:, None])
         low, high = grid.amin(dim=-1), grid.amax(dim=-1)  # [n, groups]
-        scales = ((high - low) / maxq).clamp(min=_MIN_SCALE).to(scale_dtype)
+        scales = divide_exactly(high - low, maxq).clamp(min=_MIN_SCALE).to(scale_dtype)
         # A fractional zero point puts code 0 exactly on the group's minimum (W = q * s + min): both
         # ends of the range are used, where an integer zero wastes up to half a step at each end.
         zeros = -low / scales.float()

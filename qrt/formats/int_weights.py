@@ -53,7 +53,7 @@ class IntWeights:
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], the weight in nn.Linear orientation."""
         k = self.q.shape[0]
-        group = self.g_idx.long() if self.g_idx is not None else torch.arange(k) // self.group_size
+        group = self.g_idx.long() if self.g_idx is not None else torch.arange(k, device=self.q.device) // self.group_size
         return ((self.q.float() - self.zeros.float()[group]) * self.scales.float()[group]).t()
 
 
@@ -72,7 +72,7 @@ def _contiguous_groups(w: IntWeights) -> tuple[IntWeights, torch.Tensor | None] 
     Returns the reordered weights and the activation permutation (None when already in order),
     or None when the groups are not all of size G (then no grouped kernel can run it)."""
     k = w.q.shape[0]
-    in_order = torch.arange(k) // w.group_size  # [K]
+    in_order = torch.arange(k, device=w.q.device) // w.group_size  # [K]
     if w.g_idx is None or torch.equal(w.g_idx.long(), in_order):
         return IntWeights(w.q, w.scales, w.zeros, w.bits, w.group_size), None
     g_idx = w.g_idx.long()

@@ -96,6 +96,7 @@ def channel_scale_permutation() -> torch.Tensor:
 def unpermute_columns(stored: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Inverse of `stored = x.reshape(-1, len(perm))[:, perm].reshape(x.shape)`."""
     runs = stored.reshape(-1, perm.numel())
+    perm = perm.to(stored.device)
     original = torch.empty_like(runs)
     original[:, perm] = runs
     return original.reshape(stored.shape)
@@ -104,7 +105,7 @@ def unpermute_columns(stored: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 def unpack_qqq_weight(b: torch.Tensor, k: int, n: int, per_channel: bool) -> torch.Tensor:
     """QQQ's `B` int32 [K / 16, 2N] -> unsigned 4-bit values q int32 [K, N], code = q - 8."""
     words = b.to(torch.int64) & 0xFFFFFFFF  # [K / 16, 2N], read as unsigned
-    shifts = torch.arange(8, dtype=torch.int64) * 4
+    shifts = torch.arange(8, dtype=torch.int64, device=b.device) * 4
     nibbles = ((words[:, :, None] >> shifts) & 0xF).reshape(k // TILE, TILE * n)  # [K / 16, 16N] stored order
     tiles = unpermute_columns(nibbles, weight_permutation(per_channel))  # [K / 16, 16N] tile order
     values = tiles.reshape(k // TILE, n // TILE, TILE, TILE).permute(0, 2, 1, 3).reshape(k, n)  # [K, N]
@@ -173,7 +174,7 @@ class QqqLinearMethod(LinearMethod):
         channel = unpermute_columns(layer.s_channel.data, channel_scale_permutation()).reshape(n)  # [N]
         if cfg.per_channel:
             # The kernel's code * 16 with s / 16 as channel scale: code * (16 * s_channel), exactly.
-            return pack_rows(q, 4), torch.ones(1, n), 16.0 * channel, k
+            return pack_rows(q, 4), torch.ones(1, n, device=q.device), 16.0 * channel, k
         groups = unpermute_columns(layer.s_group.data, group_scale_permutation())  # [K / G, N]
         return pack_rows(q, 4), groups, channel, cfg.group_size
 
@@ -201,7 +202,7 @@ class QqqLinearMethod(LinearMethod):
     def _check_int8_range(self, qweight, group_scales, group_size: int, k: int) -> None:
         """QQQ's kernel wraps an int8 weight outside [-128, 127] around; a valid file has none."""
         codes = unpack_rows(qweight, 4, k).float() - 8.0  # [K, N]
-        products = (codes * group_scales[torch.arange(k) // group_size]).round()
+        products = (codes * group_scales[torch.arange(k, device=codes.device) // group_size]).round()
         worst = float(products.abs().max())
         if bool(((products < INT8_MIN) | (products > INT8_MAX)).any()):
             raise CheckpointError(self.cfg.source, f"{self.module_names[0]}.s_group",

@@ -16,6 +16,7 @@ from qrt.kernels.int8_reference import MIN_SCALE
 from qrt.formats.compressed_tensors.int_w8a8 import annotate_int8_layout
 from qrt.errors import TensorMismatch
 from qrt.layers.tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, rank_columns
+from qrt.kernels.exact_division import divide_exactly
 from qrt.layers.linear import LinearMethod, check_shape, make_parameter
 from qrt.formats.registry import online_format
 
@@ -23,7 +24,7 @@ from qrt.formats.registry import online_format
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [n, K] float. Returns (q [n, K] int8 in [-127, 127], scale [n] fp32), w ≈ q * scale."""
     w32 = w.float()
-    scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=MIN_SCALE)  # [n] fp32
+    scale = divide_exactly(w32.abs().amax(dim=1), 127.0).clamp(min=MIN_SCALE)  # [n] fp32
     q = (w32 / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [n, K]
     return q, scale
 

@@ -13,6 +13,7 @@ oracle) and the swap pass replaces it with a kernel for the device. The CPU kern
 
 import torch
 
+from .exact_division import divide_exactly
 from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
@@ -30,7 +31,7 @@ def quantize_whole_groups(x32: torch.Tensor, group: int) -> tuple[torch.Tensor, 
     """x32: [M, W] fp32, W a multiple of group. Returns (q [M, W // group, group] fp8,
     scale [M, W // group] fp32), each group quantized as `quantize_rows_fp8` quantizes a row."""
     xg = x32.reshape(x32.shape[0], -1, group)  # [M, W // group, group]
-    scale = (xg.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, W // group]
+    scale = divide_exactly(xg.abs().amax(dim=-1), FP8_MAX).clamp(min=MIN_SCALE)  # [M, W // group]
     q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -10,6 +10,8 @@ Scheme: weights per output channel (one fp32 scale per row), activations dynamic
 
 import torch
 
+from .exact_division import divide_exactly
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # Lower bound on a dynamic scale, so an all-zero row does not divide by zero. Same floor as
@@ -25,7 +27,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x32 = x.float()
     amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)  # [R, 1] fp32
+    scale = divide_exactly(amax, FP8_MAX).clamp(min=MIN_SCALE)  # [R, 1] fp32
     q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [R, C] fp8
     return q, scale
 

@@ -26,6 +26,8 @@ Rounding is half to even everywhere (torch.round).
 
 import torch
 
+from .exact_division import divide_exactly
+
 INT8_MIN, INT8_MAX = -128, 127
 # Floor of a dynamic scale, so an all-zero row does not divide by zero; small enough that any row
 # with a nonzero value above 1e-10 is quantized with its own range.
@@ -42,11 +44,11 @@ def quantize_rows_int8(x: torch.Tensor, asymmetric: bool = False):
     if asymmetric:
         low = x32.amin(dim=-1, keepdim=True).clamp(max=0.0)
         high = x32.amax(dim=-1, keepdim=True).clamp(min=0.0)
-        scale = ((high - low) / 255.0).clamp(min=MIN_SCALE)  # [R, 1] fp32
+        scale = divide_exactly(high - low, 255.0).clamp(min=MIN_SCALE)  # [R, 1] fp32
         zero = (-128.0 - low / scale).round().clamp(INT8_MIN, INT8_MAX)  # [R, 1], an integer
         q = ((x32 / scale).round() + zero).clamp(INT8_MIN, INT8_MAX)
         return q.to(torch.int8), scale, zero.to(torch.int32)
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=MIN_SCALE)  # [R, 1] fp32
+    scale = divide_exactly(x32.abs().amax(dim=-1, keepdim=True), 127.0).clamp(min=MIN_SCALE)  # [R, 1] fp32
     q = (x32 / scale).round().clamp(INT8_MIN, INT8_MAX)
     return q.to(torch.int8), scale, None
 

@@ -55,6 +55,16 @@ def _w4a8_gemm_kernel(
     store_tile(c_ptr, out, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
+def _gemm_config(m: int) -> dict:
+    """gemm_config's tiles with K blocks of 64 past decode: besides the codes, each pipeline stage
+    holds a group scale per (k, n), [BLOCK_K, BLOCK_N] fp32, and at BLOCK_K = 128 three or four
+    stages need 320-430 KiB of shared memory, more than a Hopper SM's 227 KiB (measured on an H200)."""
+    cfg = gemm_config(m)
+    if m > 16:
+        cfg["BLOCK_K"] = 64
+    return cfg
+
+
 def w4a8_gemm_triton(xq, x_scale, qweight, group_scales, channel_scales, bias, group_size: int, out_dtype):
     """xq: int8 [M, K]; x_scale: fp32 [M, 1]; canonical W4A8 weight tensors (w4a8_reference.py).
     Returns [M, N] in out_dtype."""
@@ -65,7 +75,7 @@ def w4a8_gemm_triton(xq, x_scale, qweight, group_scales, channel_scales, bias, g
         raise ValueError(f"W4A8 GEMM takes int8 activations [M, K] and int32 words [K / 8, N]; got {xq.dtype} "
                          f"{tuple(xq.shape)} and {tuple(qweight.shape)}")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)  # [M, N]
-    cfg = gemm_config(m)
+    cfg = _gemm_config(m)
     grid = (output_tiles(m, n, cfg),)
     group_scales = group_scales.float()
     _w4a8_gemm_kernel[grid](

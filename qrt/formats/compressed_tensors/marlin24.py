@@ -76,7 +76,7 @@ def group_scale_permutation() -> torch.Tensor:
     return torch.tensor([8 * i + j for i in range(8) for j in (0, 4, 1, 5, 2, 6, 3, 7)])
 
 
-def meta_positions(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def meta_positions(n: int, k: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) in the stored `meta` [K / 32, 2N] of metadata word c of output channel r,
     each int64 [N, K / 16].
 
@@ -84,8 +84,8 @@ def meta_positions(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     reordered within blocks of 64, each 2x2 block of (channel, word) is transposed, and words are
     stored two per channel, column pair after column pair. The producer then views that buffer
     as [K / 32, 2N] without moving it."""
-    r = torch.arange(n)[:, None].expand(n, k // 16)
-    c = torch.arange(k // 16)[None, :].expand(n, k // 16)
+    r = torch.arange(n, device=device)[:, None].expand(n, k // 16)
+    c = torch.arange(k // 16, device=device)[None, :].expand(n, k // 16)
     # The bits of r within its block of 64, (b5 b4 b3 b2 b1 b0), move to (b1 b5 b4 b3 b0 b2).
     row = (r // 64 * 64 + (r % 2) * 2 + (r % 8) // 4 + (r % 4) // 2 * 32 + (r % 64) // 8 * 4)
     swap = (row % 2 == 0) & (c % 2 == 1)
@@ -114,16 +114,16 @@ def unpack_marlin24(weight_packed: torch.Tensor, meta: torch.Tensor, k: int, n: 
     tiles = unpermute_columns(stored, weight_permutation())  # [K / 32, 16N] tile after tile
     kept = tiles.reshape(k // 32, n // TILE, TILE, TILE).permute(0, 2, 1, 3).reshape(k // 2, n)  # [K / 2, N]
 
-    rows, cols = meta_positions(n, k)
+    rows, cols = meta_positions(n, k, meta.device)
     words16 = meta[rows, cols].to(torch.int64) & 0xFFFF  # [N, K / 16], 4 runs of 4 per word
-    nibbles = (words16[:, :, None] >> (4 * torch.arange(4))) & 0xF  # [N, K / 16, 4]: run 4c + t
+    nibbles = (words16[:, :, None] >> (4 * torch.arange(4, device=meta.device))) & 0xF  # [N, K / 16, 4]: run 4c + t
     first, second = nibbles & 0b11, nibbles >> 2  # positions within the run of the two kept values
     invalid = (first >= second).flatten(1).any(dim=1)  # [N]
     if bool(invalid.any()):
         raise InvalidMetadata(int(invalid.nonzero()[0]))
-    runs = torch.arange(k // 4).reshape(1, k // 16, 4)
+    runs = torch.arange(k // 4, device=meta.device).reshape(1, k // 16, 4)
     positions = torch.stack((4 * runs + first, 4 * runs + second), dim=-1).reshape(n, k // 2)  # [N, K / 2]
-    dense = torch.full((n, k), ZERO_CODE, dtype=torch.int32)  # [N, K]
+    dense = torch.full((n, k), ZERO_CODE, dtype=torch.int32, device=meta.device)  # [N, K]
     dense.scatter_(1, positions, kept.t().contiguous())
     return dense.t().contiguous()
 

@@ -295,7 +295,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
             out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
-        out = out.view(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2).reshape(bsz, seq, q_size)
+        # reshape, not view: CUDA's attention kernels may return another memory layout than the CPU's.
+        out = out.reshape(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2).reshape(bsz, seq, q_size)
         return self.o_proj(out)
 
 
