@@ -65,10 +65,11 @@ def _gemm_config(m: int, n: int, k: int) -> dict:
     """Tiles, pipelining and split-K for an [m, K] x [K, N] weight-only GEMM."""
     if m <= 16:
         # Decode: the smallest tile tl.dot takes along M; the kernel streams the weight.
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        # 3 stages in both configs: each stage holds codes, scales and zeros per (k, n), and with
+        # fp32 zeros 4 stages need 240-270 KiB of shared memory, more than a Hopper SM's 227 KiB
+        # (measured on an H200: 274432 bytes asked for at M <= 16, 245760 at M <= 256).
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
     elif m <= 256:
-        # 3 stages: at 4 the dequantization's buffers need 240-270 KiB of shared memory, more than
-        # a Hopper SM's 227 KiB (measured on an H200).
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
     else:
         # Prefill: compute-bound; large tiles, dequantization amortised over 128 rows.
