@@ -50,7 +50,7 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _experts_gemm_kernel(
+def experts_gemm_kernel(
     a_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, routing_ptr, pairs_ptr, block_experts_ptr, out_ptr,
     N, K, num_pairs, top_k, num_experts, group_size,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
@@ -104,7 +104,7 @@ def _experts_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & in_n[None, :])
 
 
-def _config(pairs: int, num_experts: int) -> dict:
+def experts_tiles(pairs: int, num_experts: int) -> dict:
     """Tiles for `pairs` routed pairs over `num_experts` experts: a 16-row block (the smallest
     tl.dot takes) while each expert gets few rows (decode), larger ones for prefill."""
     per_expert = pairs / num_experts
@@ -133,7 +133,7 @@ def experts_gemm(a: torch.Tensor, projection: ExpertProjection, tensors: list, p
     s_strides = scales.stride() if packed else (0, 0, 0)
     z_strides = zeros.stride() if packed else (0, 0, 0)
     grid = (block_experts.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
-    _experts_gemm_kernel[grid](
+    experts_gemm_kernel[grid](
         a, weight, scales if packed else weight, zeros if packed else weight, perm if perm is not None else pairs,
         routing if routing is not None else out, pairs, block_experts, out,
         n, k, num_pairs, top_k, num_experts, projection.group_size or 1,
@@ -157,7 +157,7 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     layers = expert_layers(experts)
     tokens, top_k = topk_ids.shape
     num_pairs, num_experts = tokens * top_k, gate_up[0].shape[0]
-    cfg = _config(num_pairs, num_experts)
+    cfg = experts_tiles(num_pairs, num_experts)
     pairs, block_experts = align_pairs_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
     shared = dict(num_pairs=num_pairs, top_k=top_k)
     hidden = experts_gemm(x, layers.gate_up, gate_up, pairs, block_experts, cfg, rows_per_token=True, **shared)

@@ -48,7 +48,7 @@ def _quantize_rows_fp8_kernel(
 
 
 @triton.jit
-def _fp8_gemm_kernel(
+def fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
@@ -125,7 +125,7 @@ def fp8_gemm_triton(
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)  # [M, N]
     cfg = gemm_config(m)
     grid = (output_tiles(m, n, cfg),)
-    _fp8_gemm_kernel[grid](
+    fp8_gemm_kernel[grid](
         xq, weight, out, x_scale, weight_scale, bias,
         m, n, k,
         xq.stride(0), xq.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),

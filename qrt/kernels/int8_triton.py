@@ -97,7 +97,7 @@ def quantize_activations_int8_triton(x2, input_scale, input_zero_point, asymmetr
 
 
 @triton.jit
-def _int8_gemm_kernel(
+def int8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, a_zero_ptr, b_scale_ptr, b_sums_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_sm,
@@ -149,7 +149,7 @@ def int8_gemm_triton(xq, x_scale, x_zero, weight, weight_scale, weight_sums, bia
     cfg = gemm_config(m)
     grid = (output_tiles(m, n, cfg),)
     # x_scale / x_zero may be a broadcast [M, 1] view of one static value: stride_sm 0 reads it.
-    _int8_gemm_kernel[grid](
+    int8_gemm_kernel[grid](
         xq, weight, out, x_scale, x_zero, weight_scale.float().contiguous(),
         None if x_zero is None else weight_sums.to(torch.int32).contiguous(),
         None if bias is None else bias.contiguous(),

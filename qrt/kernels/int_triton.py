@@ -26,7 +26,7 @@ _MAX_SPLIT_K = 16
 
 
 @triton.jit
-def _int_gemm_kernel(
+def int_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, group_size,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
@@ -61,19 +61,22 @@ def _int_gemm_kernel(
     store_tile(out_ptr + split * stride_os, acc, offs_m, offs_n, M, N, stride_om, stride_on)  # this split's sums
 
 
-def _gemm_config(m: int, n: int, k: int) -> dict:
-    """Tiles, pipelining and split-K for an [m, K] x [K, N] weight-only GEMM."""
+def gemm_tiles(m: int, n: int, k: int, fp32: bool = False) -> dict:
+    """Tiles, pipelining and split-K for an [m, K] x [K, N] weight-only GEMM; `fp32`: fp32 activations.
+
+    Each pipeline stage holds the codes, scales and zero points per (k, n) as well as the
+    activations, and a Hopper SM has 227 KiB of shared memory: 3 stages fit with bf16/fp16
+    activations (217-229 KiB with fp32 scales and zeros), 2 with fp32 ones (at 3 they ask for
+    240-288 KiB). tests/test_triton_shared_memory.py compiles every configuration for sm_90."""
+    stages = 2 if fp32 else 3
     if m <= 16:
         # Decode: the smallest tile tl.dot takes along M; the kernel streams the weight.
-        # 3 stages in both configs: each stage holds codes, scales and zeros per (k, n), and with
-        # fp32 zeros 4 stages need 240-270 KiB of shared memory, more than a Hopper SM's 227 KiB
-        # (measured on an H200: 274432 bytes asked for at M <= 16, 245760 at M <= 256).
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=stages)
     elif m <= 256:
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=stages)
     else:
         # Prefill: compute-bound; large tiles, dequantization amortised over 128 rows.
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages)
     tiles = output_tiles(m, n, cfg)
     k_blocks = triton.cdiv(k, cfg["BLOCK_K"])
     cfg["SPLIT_K"] = max(1, min(_TARGET_PROGRAMS // tiles, k_blocks, _MAX_SPLIT_K))
@@ -89,12 +92,12 @@ def int_gemm_triton(x2, qweight, scales, zeros, bits: int, group_size: int) -> t
     if qweight.shape[0] != -(-k // pack_factor(bits)):
         raise ValueError(f"int GEMM: activations have K={k}, but a {bits}-bit qweight of shape "
                          f"{tuple(qweight.shape)} holds {qweight.shape[0] * pack_factor(bits)} rows")
-    cfg = _gemm_config(m, n, k)
+    cfg = gemm_tiles(m, n, k, fp32=x2.dtype == torch.float32)
     split_k = cfg["SPLIT_K"]
     out_dtype = torch.float32 if split_k > 1 else x2.dtype
     out = torch.empty((split_k, m, n), dtype=out_dtype, device=x2.device)  # [SPLIT_K, M, N] partial sums
     grid = (output_tiles(m, n, cfg), split_k)
-    _int_gemm_kernel[grid](
+    int_gemm_kernel[grid](
         x2, qweight, scales, zeros, out,
         m, n, k, group_size,
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),

@@ -23,7 +23,7 @@ from .triton_tiles import (check_launchable, flatten_rows, gemm_config, grouped_
 
 
 @triton.jit
-def _w4a8_gemm_kernel(
+def w4a8_gemm_kernel(
     a_ptr, qw_ptr, gs_ptr, c_ptr, a_scale_ptr, cs_ptr, bias_ptr,
     M, N, K, group_size,
     stride_am, stride_ak, stride_qk, stride_qn, stride_gk, stride_gn, stride_cm, stride_cn,
@@ -55,7 +55,7 @@ def _w4a8_gemm_kernel(
     store_tile(c_ptr, out, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
-def _gemm_config(m: int) -> dict:
+def w4a8_tiles(m: int) -> dict:
     """gemm_config's tiles with K blocks of 64 past decode: besides the codes, each pipeline stage
     holds a group scale per (k, n), [BLOCK_K, BLOCK_N] fp32, and at BLOCK_K = 128 three or four
     stages need 320-430 KiB of shared memory, more than a Hopper SM's 227 KiB (measured on an H200)."""
@@ -75,10 +75,10 @@ def w4a8_gemm_triton(xq, x_scale, qweight, group_scales, channel_scales, bias, g
         raise ValueError(f"W4A8 GEMM takes int8 activations [M, K] and int32 words [K / 8, N]; got {xq.dtype} "
                          f"{tuple(xq.shape)} and {tuple(qweight.shape)}")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)  # [M, N]
-    cfg = _gemm_config(m)
+    cfg = w4a8_tiles(m)
     grid = (output_tiles(m, n, cfg),)
     group_scales = group_scales.float()
-    _w4a8_gemm_kernel[grid](
+    w4a8_gemm_kernel[grid](
         xq, qweight, group_scales, out, x_scale.reshape(-1).contiguous(), channel_scales.float().contiguous(),
         None if bias is None else bias.contiguous(),
         m, n, k, group_size,
