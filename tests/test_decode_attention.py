@@ -7,6 +7,8 @@ for: a row's result is bit-identical whatever rows share its batch."""
 import pytest
 import torch
 
+import qrt.kernels.decode_attention_triton  # noqa: F401  (registers qrt::decode_attention_triton)
+from kernel_checks import BF16_RTOL, DEVICE, on_device
 from qrt.kernels import native_cpu
 from qrt.kernels.decode_attention_reference import cache_values
 
@@ -100,40 +102,48 @@ def test_reference_reads_an_fp8_cache_as_the_model_dequantizes_it():
 KERNEL_RTOL = {torch.float32: 2e-6, torch.bfloat16: 2e-3, torch.float16: 3e-4}
 
 
+def _check_against_reference(run, heads, dtype, cache, rtol):
+    cache_dtype = torch.float8_e4m3fn if cache == "e4m3" else dtype
+    args = _inputs(heads, dtype, cache_dtype, EXTENTS, seed=sum(heads))
+    scale = heads[2] ** -0.5
+    expected = torch.ops.qrt.decode_attention(*args[:6], scale, 0.0, *args[6:])
+    got = run(*args[:6], scale, 0.0, *args[6:])
+    assert got.dtype == dtype and got.shape == expected.shape
+    assert _relative(got, expected) < rtol
+    # every row and head on its own, so that one short row cannot hide under the long ones
+    per_row = (got.double() - expected.double()).norm(dim=-1) / expected.double().norm(dim=-1)
+    assert per_row.max().item() < 4 * rtol
+
+
+def _check_soft_cap(run, dtype, rtol):
+    args = _inputs(HEADS[4], dtype, dtype, EXTENTS, seed=7)
+    q = args[0] * 8  # scores well past the cap, where tanh saturates
+    expected = torch.ops.qrt.decode_attention(q, *args[1:6], 0.0625, 50.0, *args[6:])
+    assert _relative(run(q, *args[1:6], 0.0625, 50.0, *args[6:]), expected) < rtol
+
+
 @needs_kernel
 @pytest.mark.parametrize("cache", ["model dtype", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 def test_kernel_matches_the_reference(heads, dtype, cache):
-    cache_dtype = torch.float8_e4m3fn if cache == "e4m3" else dtype
-    args = _inputs(heads, dtype, cache_dtype, EXTENTS, seed=sum(heads))
-    scale = heads[2] ** -0.5
-    expected = torch.ops.qrt.decode_attention(*args[:6], scale, 0.0, *args[6:])
-    got = torch.ops.qrt_cpu.decode_attention(*args[:6], scale, 0.0, *args[6:])
-    assert got.dtype == dtype and got.shape == expected.shape
-    assert _relative(got, expected) < KERNEL_RTOL[dtype]
-    # every row and head on its own, so that one short row cannot hide under the long ones
-    per_row = (got.double() - expected.double()).norm(dim=-1) / expected.double().norm(dim=-1)
-    assert per_row.max().item() < 4 * KERNEL_RTOL[dtype]
+    _check_against_reference(torch.ops.qrt_cpu.decode_attention, heads, dtype, cache, KERNEL_RTOL[dtype])
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_soft_cap_matches_the_reference(dtype):
-    args = _inputs(HEADS[4], dtype, dtype, EXTENTS, seed=7)
-    q = args[0] * 8  # scores well past the cap, where tanh saturates
-    expected = torch.ops.qrt.decode_attention(q, *args[1:6], 0.0625, 50.0, *args[6:])
-    got = torch.ops.qrt_cpu.decode_attention(q, *args[1:6], 0.0625, 50.0, *args[6:])
-    assert _relative(got, expected) < 4 * KERNEL_RTOL[dtype]
+    _check_soft_cap(torch.ops.qrt_cpu.decode_attention, dtype, 4 * KERNEL_RTOL[dtype])
 
 
-@needs_kernel
-@pytest.mark.parametrize("op", ["qrt.decode_attention", "qrt_cpu.decode_attention"])
+@pytest.mark.parametrize("op", ["qrt.decode_attention", pytest.param("qrt_cpu.decode_attention", marks=needs_kernel),
+                                "qrt.decode_attention_triton"])
 def test_a_rows_result_does_not_depend_on_its_batch(op):
     """The same query over the same cache row, alone and among rows of other lengths, other
     slots and more threads' worth of work: bit-identical."""
     namespace, name = op.split(".")
     run = getattr(getattr(torch.ops, namespace), name)
+    run = on_device(run) if name.endswith("_triton") else run
     q, k, v, slots, first, last, _, _ = _inputs(HEADS[0], torch.bfloat16, torch.bfloat16, EXTENTS, seed=3)
     together = run(q, k, v, slots, first, last, 0.125, 0.0, None, None)
     for row in range(len(EXTENTS)):
@@ -150,3 +160,26 @@ def test_kernel_refuses_an_extent_outside_the_cache():
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
         torch.ops.qrt_cpu.decode_attention(q[..., :24], k[..., :24].contiguous(), v[..., :24].contiguous(),
                                            slots, first, last, 0.125, 0.0, None, None)
+
+
+# Triton's kernel (qrt/kernels/decode_attention_triton.py), on the device where there is one and
+# under the interpreter otherwise: the heads of the default model, MQA and Gemma 2.
+TRITON_HEADS = [HEADS[0], HEADS[3], HEADS[4]]
+
+
+def _triton_rtol(dtype) -> float:
+    """KERNEL_RTOL, except in bf16 under the interpreter, which truncates fp32 to bf16 where the
+    GPU rounds (up to a whole step off, on the output and on e4m3 entries read back)."""
+    return 2 * BF16_RTOL if DEVICE == "cpu" and dtype == torch.bfloat16 else KERNEL_RTOL[dtype]
+
+
+@pytest.mark.parametrize("cache", ["model dtype", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", TRITON_HEADS, ids=str)
+def test_triton_kernel_matches_the_reference(heads, dtype, cache):
+    _check_against_reference(on_device(torch.ops.qrt.decode_attention_triton), heads, dtype, cache, _triton_rtol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_soft_cap_matches_the_reference(dtype):
+    _check_soft_cap(on_device(torch.ops.qrt.decode_attention_triton), dtype, 4 * _triton_rtol(dtype))
