@@ -17,6 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from qrt.kernels.decode_attention_triton import BLOCK_S, decode_attention_kernel  # noqa: E402
 from qrt.kernels.experts_triton import experts_gemm_kernel, experts_tiles  # noqa: E402
 from qrt.kernels.fp8_block_triton import fp8_block_gemm_kernel  # noqa: E402
 from qrt.kernels.fp8_triton import fp8_gemm_kernel  # noqa: E402
@@ -69,6 +70,13 @@ def main() -> None:
                            "pairs_ptr": "*i64", "block_experts_ptr": "*i32", "out_ptr": f"*{x}", **scales},
                           {"ROWS_PER_TOKEN": True, "SCALE_BY_ROUTING": False, "PACKED_CODES": True, "HAS_PERM": True,
                            "BITS": 4, "FP32_DOT": x == "fp32"}, experts_tiles(pairs, 8)))
+    for cache in ("bf16", "fp32"):  # decode attention over 256-wide heads (Gemma 2), launched with Triton's defaults
+        cases.append((f"decode_attention_kernel {cache} cache", decode_attention_kernel,
+                      {"q_ptr": f"*{cache}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "slots_ptr": "*i64",
+                       "first_ptr": "*i64", "last_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                       "out_ptr": f"*{cache}", "scale": "fp32", "softcap": "fp32"},
+                      {"GROUP": 2, "HEAD_DIM": 256, "BLOCK_D": 256, "BLOCK_S": BLOCK_S, "FP8_CACHE": False,
+                       "SOFTCAP": True}, {"num_warps": 4, "num_stages": 3}))
     sizes = {}
     for name, kernel, pointers, constexprs, tiles in cases:
         sizes[f"{name}, {tiles}"] = shared_bytes(kernel, pointers, constexprs, tiles)
