@@ -19,6 +19,11 @@ are abandoned on purpose: streams closed after a few chunks, or non-streaming re
 stops waiting. It counts failures among the rest, and reads /metrics afterwards: every slot must
 be free and the queue empty.
 
+With --shared-prefix N, every prompt starts with the same N tokens of text (a chat application's
+system prompt), and with --compare-prefix-caching the levels run again on a server started with
+--no-prefix-caching: the two rows of each level show what prefix caching saves, and the report
+gives the prompt tokens the server did not prefill (`qrt_prefix_cache_reused_tokens`).
+
 When llama-cpp-python's server is importable (`pip install 'llama-cpp-python[server]'`, see
 `make llama-cpp`), the same levels run against `python -m llama_cpp.server` on the default model's
 GGUF in the same precision (with --interrupt_requests False: its default ends a running request
@@ -61,6 +66,10 @@ def parse_args(argv=None):
     parser.add_argument("--duration", type=float, default=30, help="seconds per level (default: 30)")
     parser.add_argument("--prompt-tokens", default="16,64,256", help="prompt lengths drawn from (default: 16,64,256)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: 64)")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens of text every prompt starts with, before its own (default: 0)")
+    parser.add_argument("--compare-prefix-caching", action="store_true",
+                        help="run the levels again on a server with --no-prefix-caching")
     parser.add_argument("--max-batch", type=int, default=8, help="the server's slots (default: 8, as qrt serve)")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--soak", type=float, default=300, help="soak seconds, 0 to skip (default: 300)")
@@ -125,24 +134,26 @@ class ServerProcess:
         self.stop()
 
 
-def prompts(lengths: list[int], seed: int):
+def prompts(lengths: list[int], seed: int, shared_prefix: int = 0):
     """Endless prompts from the eval text, each of a length drawn from `lengths` (in tokens,
-    approximately), starting at a random place."""
+    approximately), starting at a random place, after the text's first `shared_prefix` tokens
+    (the same for every prompt)."""
     text = EVAL_TEXT.read_text(encoding="utf-8")
+    prefix = text[:shared_prefix * CHARS_PER_TOKEN]
     rng = random.Random(seed)
     while True:
         size = rng.choice(lengths) * CHARS_PER_TOKEN
-        start = rng.randrange(0, len(text) - size)
-        yield text[start:start + size]
+        start = rng.randrange(len(prefix), len(text) - size)
+        yield prefix + text[start:start + size]
 
 
 class Client:
     """One client: requests back to back until `stop_at`. Records each request's outcome."""
 
     def __init__(self, url: str, model: str, lengths, max_tokens: int, seed: int, stop_at: float,
-                 cancel_rate: float = 0.0):
+                 cancel_rate: float = 0.0, shared_prefix: int = 0):
         self.url, self.model, self.max_tokens, self.stop_at = url, model, max_tokens, stop_at
-        self.prompts = prompts(lengths, seed)
+        self.prompts = prompts(lengths, seed, shared_prefix)
         self.rng = random.Random(seed + 1)
         self.cancel_rate = cancel_rate
         self.records: list[dict] = []
@@ -214,8 +225,8 @@ class Client:
 
 def run_clients(url: str, model: str, count: int, seconds: float, args, seed: int, cancel_rate: float = 0.0):
     start = time.monotonic()
-    clients = [Client(url, model, args.lengths, args.max_tokens, seed + 7919 * i, start + seconds, cancel_rate)
-               for i in range(count)]
+    clients = [Client(url, model, args.lengths, args.max_tokens, seed + 7919 * i, start + seconds, cancel_rate,
+                      args.shared_prefix) for i in range(count)]
     for client in clients:
         client.thread.start()
     for client in clients:
@@ -285,13 +296,15 @@ def soak(url: str, model: str, args) -> dict:
             "slots": after["qrt_slots"]}
 
 
-def qrt_server(args, log_dir: Path) -> tuple[ServerProcess, str]:
+def qrt_server(args, log_dir: Path, prefix_caching: bool = True) -> tuple[ServerProcess, str]:
     port = free_port()
     command = [sys.executable, "-m", "qrt", "--threads", str(args.threads), "serve", *([args.model] if args.model else []),
                "--port", str(port), "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
                "--max-queue", "256", "--served-model-name", "bench"]
     if args.quant:
         command += ["--quant", args.quant]
+    if not prefix_caching:
+        command += ["--no-prefix-caching"]
     return ServerProcess(command, port, "/health", log_dir / "qrt-serve.log"), "bench"
 
 
@@ -337,6 +350,9 @@ def print_report(report: dict) -> None:
         print(f"soak: {s['requests']} measured requests + {s['abandoned']} abandoned over {s['seconds']:.0f} s with "
               f"{s['clients']} clients: {s['failures']} failures; afterwards {s['active_slots_after']:.0f} of "
               f"{s['slots']:.0f} slots busy, queue {s['queue_depth_after']:.0f}; outcomes {s['outcomes_from_metrics']}")
+    if report.get("prompt_tokens"):
+        print(f"prefix caching: {report['prefix_cache_reused_tokens']:.0f} of {report['prompt_tokens']:.0f} prompt "
+              f"tokens sent to qrt were not prefilled (whole chunks a free slot held)")
     for note in report["notes"]:
         print(f"note: {note}")
 
@@ -372,9 +388,17 @@ def main(argv=None) -> int:
     with server:
         report["qrt_ready_s"] = server.wait_ready()
         report["levels"] += load_levels(server.url, name, args, "qrt")
+        served = metrics(server.url)
+        report["prompt_tokens"] = served.get("qrt_prompt_tokens_total", 0.0)
+        report["prefix_cache_reused_tokens"] = served.get("qrt_prefix_cache_reused_tokens_total", 0.0)
         if args.soak > 0:
             report["soak"] = soak(server.url, name, args)
     report["qrt_exit_code_after_sigterm"] = server.process.returncode
+    if args.compare_prefix_caching:
+        uncached, name = qrt_server(args, log_dir, prefix_caching=False)
+        with uncached:
+            uncached.wait_ready()
+            report["levels"] += load_levels(uncached.url, name, args, "qrt, no prefix caching")
     if args.no_peer:
         report["notes"].append("llama.cpp skipped (--no-peer)")
     elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:

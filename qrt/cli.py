@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step: a long prompt stalls running streams by "
                           "one chunk at most (default: 256)")
+    srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                     help="prefill every prompt whole, even where a free KV-cache slot holds its first chunks "
+                          "(reuse never changes a result; it only saves time)")
     srv.add_argument("--served-model-name", default=None,
                      help="the `model` clients send (default: the checkpoint folder's name, or 'default')")
     srv.set_defaults(handler=_serve)
@@ -178,7 +181,7 @@ def _serve(args) -> int:
     return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=args.prefill_chunk or DEFAULT_CHUNK,
-                 max_batch=args.max_batch)
+                 max_batch=args.max_batch, prefix_caching=args.prefix_caching)
 
 
 def _eval(args) -> int:

@@ -1,5 +1,5 @@
 """bench/serve_load.py end to end on the tiny chat Llama: a real server, two levels, a short soak
-with abandoned requests, the table and the JSON. Tiny sizes measure nothing; the test checks that
+with abandoned requests, the levels again without prefix caching, the table and the JSON. Tiny sizes measure nothing; the test checks that
 every figure is there, nothing failed, and the soak left every slot free."""
 
 import json
@@ -19,12 +19,15 @@ def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
     result = subprocess.run([sys.executable, "bench/serve_load.py", str(chat_llama_dir), "--levels", "1,2",
                              "--duration", "3", "--prompt-tokens", "8,40", "--max-tokens", "12", "--max-batch", "2",
                              "--max-seq-len", "256", "--soak", "6", "--soak-clients", "3", "--cancel-rate", "0.5",
-                             "--no-peer", "--json", str(report_path)],
+                             "--no-peer", "--shared-prefix", "8", "--compare-prefix-caching",
+                             "--json", str(report_path)],
                             cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "output tok/s" in result.stdout and "soak:" in result.stdout, result.stdout
     report = json.loads(report_path.read_text())
-    assert [row["clients"] for row in report["levels"]] == [1, 2]
+    assert [(row["engine"], row["clients"]) for row in report["levels"]] == [
+        ("qrt", 1), ("qrt", 2), ("qrt, no prefix caching", 1), ("qrt, no prefix caching", 2)]
+    assert report["prompt_tokens"] > 0 and "prefix caching:" in result.stdout
     for row in report["levels"]:
         assert row["failures"] == 0 and row["requests"] >= 1 and row["output_tok_s"] > 0, row
         assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] > 0

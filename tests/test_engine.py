@@ -6,6 +6,7 @@ import pytest
 
 from graph_checks import no_recompiles
 from qrt.runtime.engine import CANCELLED, ERROR, LENGTH, STOP, Engine, plan_chunks
+from qrt.runtime.prefix_cache import PrefixCache
 from qrt.runtime.sampling import SamplingParams
 from qrt.runtime.text_stream import TextStream
 
@@ -138,3 +139,66 @@ def test_stop_strings_and_stop_ids_end_a_request(model):
                                       stop_ids=[ids[4]]))
     engine.run([seq])
     assert seq.tokens == ids[:ids.index(ids[4]) + 1] and seq.finish_reason == STOP
+
+
+def test_whole_chunks_a_free_slot_holds_are_not_prefilled_again_and_change_nothing(model):
+    """A prompt that starts with whole prefill chunks of one that ran before skips them (its
+    slot still holds their keys and values) and gets what a cold engine gives, bit for bit:
+    tokens and log-probabilities. A prompt that differs inside a chunk reuses the chunks before
+    it; one whose prompt is scored reuses nothing."""
+    system = list(range(30, 52))  # 22 tokens: with chunks of 5, four whole chunks and two tokens
+    prompts = [system + [60, 61, 62], system + [70, 71], system[:12] + [99] + system[13:] + [70, 71]]
+
+    def run(engine, prompt, **scoring):
+        seq = engine.submit(model.request(prompt, 6, SamplingParams(), stop_at_eos=False, logprobs=2, **scoring))
+        engine.run([seq])
+        return seq
+
+    def same(a, b):
+        return a.tokens == b.tokens and a.logprobs == b.logprobs
+
+    model.prefix_cache.clear()  # what earlier tests left in the shared model's slots
+    engine = Engine(model, chunk_size=5)
+    with no_recompiles(model):
+        before = engine.prefix_cache.reused_tokens
+        run(engine, prompts[0])
+        assert engine.prefix_cache.reused_tokens == before
+        for prompt, reused in ((prompts[1], 20), (prompts[2], 10)):
+            before = engine.prefix_cache.reused_tokens
+            warm = run(engine, prompt)
+            assert engine.prefix_cache.reused_tokens - before == reused  # chunks [0, 20) then [0, 10)
+            assert same(warm, run(Engine(model, chunk_size=5, prefix_caching=False), prompt))
+        before = engine.prefix_cache.reused_tokens
+        scored = run(engine, prompts[1], prompt_logprobs=1)
+        assert engine.prefix_cache.reused_tokens == before and len(scored.prompt_logprobs) == len(prompts[1])
+
+
+def test_the_prefix_cache_keeps_whole_chunks_from_zero_and_drops_what_a_write_covers():
+    cache = PrefixCache(2)
+    for start, tokens in ((0, [1, 2, 3]), (3, [4, 5, 6]), (6, [7, 8])):  # the last chunk is partial: not kept
+        cache.extend(0, start, tokens, 3)
+    assert cache.content[0].tokens == (1, 2, 3, 4, 5, 6)
+    starts = [start for start, _ in plan_chunks(8, 3)]  # 0, 3, 6
+    assert cache.reusable(0, [1, 2, 3, 4, 5, 6, 9, 9], starts, 3) == 6
+    assert cache.reusable(0, [1, 2, 3, 4, 0, 6, 9, 9], starts, 3) == 3  # differs inside the second chunk
+    assert cache.reusable(0, [1, 2, 3, 4, 5, 6, 9, 9], starts, 4) == 0  # held in chunks of another size
+    assert cache.reusable(0, [1, 2, 3, 4, 5, 6], [0, 3], 3) == 3  # the prompt's last chunk always runs
+    # 7 tokens plan as (0, 3), (3, 5), (5, 7): the chunk from 3 is not a whole one, so only 3 are reused
+    assert cache.reusable(0, [1, 2, 3, 4, 5, 6, 9], [start for start, _ in plan_chunks(7, 3)], 3) == 3
+    cache.freed(1)
+    cache.freed(0)
+    assert cache.choose([0, 1], [7, 7, 7, 7], [0, 3], 3) == (1, 0)  # nothing to reuse: the slot freed longest ago
+    assert cache.choose([0, 1], [1, 2, 3, 4, 5, 6, 9], [0, 3, 6], 3) == (0, 6)
+    cache.overwritten(0, 4)  # a write from position 4 on leaves the first whole chunk
+    assert cache.reusable(0, [1, 2, 3, 4, 5, 6, 9, 9], starts, 3) == 3
+
+
+def test_a_write_into_a_slot_outside_the_engine_drops_what_it_held(model):
+    model.prefix_cache.clear()
+    engine = Engine(model, chunk_size=5)
+    seq = engine.submit(model.request(list(range(30, 52)), 2, SamplingParams(), stop_at_eos=False))
+    engine.run([seq])
+    (slot,) = [slot for slot, held in enumerate(model.prefix_cache.content) if held.tokens]
+    assert len(model.prefix_cache.content[slot].tokens) == 20
+    model.prefill_chunk([1, 2, 3], 5, slot)
+    assert model.prefix_cache.content[slot].tokens == tuple(range(30, 35))

@@ -28,6 +28,7 @@ from .distributed import rank_device, tensor_parallel
 from .engine import Engine, Request
 from .logprobs import check_top
 from .malloc import map_large_allocations
+from .prefix_cache import PrefixCache
 from .registry import ModelRegistry
 from .sampling import SamplingParams
 
@@ -171,6 +172,9 @@ class CompiledModel:
         self.compile_cache = compile_cache
         self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
         self._engine: Engine | None = None
+        # What each KV-cache slot holds for prompts that start the same (prefix_cache.py): kept
+        # with the cache, since any engine, or a direct prefill_chunk / decode_step, writes it.
+        self.prefix_cache = PrefixCache(self.max_batch_size)
         model.compile_layers_once = compile and build == "regional"
         freeze = build == "frozen" and self.device.type == "cpu"
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
@@ -313,6 +317,7 @@ class CompiledModel:
         """Run prompt tokens at positions start.. into cache slot `slot`, attending over the
         cache up to them; float32 logits [V] of the last one. with_hidden: also the final hidden
         states of every token ([T, D]), for `position_logits`."""
+        self.prefix_cache.overwritten(slot, start)
         logits, hidden = self._run("prefill", *self._prefill_inputs(tokens, start, slot))
         return (logits[0, 0], hidden[0, :len(tokens)]) if with_hidden else logits[0, 0]
 
@@ -325,6 +330,8 @@ class CompiledModel:
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
         """One token per cache slot: tokens, positions [slots]; attention over the first
         `attended` cache entries (the furthest row's position + 1). float32 logits [slots, V]."""
+        for slot, position in enumerate(positions.tolist()):
+            self.prefix_cache.overwritten(slot, position)
         if self.direct_decode is not None and not self._guarded:
             inputs = self._decode_tensors(tokens, positions, attended)
             return self.direct_decode(dict(zip(_DECODE_INPUTS, inputs)), len(inputs[2]))[0][:, 0]

@@ -9,7 +9,8 @@ then samples each request's next token with its own parameters. Requests join an
 steps; the graphs' shapes never change, so nothing recompiles as they do.
 
 Each request's output depends only on its own prompt and parameters: its prefill chunks are
-planned from its prompt length alone, and decode rows do not mix. `CompiledModel.generate` is one
+planned from its prompt length alone, and decode rows do not mix. A prompt that starts with whole
+chunks a free slot still holds skips them (prefix_cache.py), with the same result bit for bit. `CompiledModel.generate` is one
 request through this same engine.
 
 Not thread-safe: one thread calls `submit` and `step` (the server's engine thread); `cancel` may be
@@ -105,14 +106,17 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class Engine:
-    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None):
-        """tokenizer: what turns ids into text (default: the model's)."""
+    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None, prefix_caching: bool = True):
+        """tokenizer: what turns ids into text (default: the model's). prefix_caching: skip the
+        whole prefill chunks a free slot holds already (prefix_cache.py; the same results)."""
         if chunk_size < 3:
             raise ValueError(f"chunk_size must be at least 3 tokens, got {chunk_size}")
         self.model = model
         self.chunk_size = chunk_size
+        self.prefix_caching = prefix_caching
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.slots: list[Sequence | None] = [None] * model.max_batch_size
+        self.prefix_cache = model.prefix_cache  # the model's KV cache's, shared by every engine over it
         self._grammar_tokenizer: GrammarTokenizer | None = None  # made when a request first needs it
         self.waiting: deque[Sequence] = deque()
         # Longrope models (Phi-3) switch to long factors past the original context, for every
@@ -184,17 +188,27 @@ class Engine:
 
     # ---- scheduling -------------------------------------------------------------------------------
     def _admit(self) -> None:
-        for slot, held in enumerate(self.slots):
-            if held is None and self.waiting:
-                seq = self.waiting.popleft()
-                seq.slot = slot
-                self.slots[slot] = seq
-                self._start_prefill(seq, list(seq.request.prompt))
+        free = [slot for slot, held in enumerate(self.slots) if held is None]
+        while free and self.waiting:
+            seq = self.waiting.popleft()
+            prompt = list(seq.request.prompt)
+            # A prompt that is scored must be prefilled from its first token.
+            reuse = self.prefix_caching and seq.request.prompt_logprobs is None
+            starts = [start for start, _ in self._plan(len(prompt))] if reuse else [0]
+            slot, reused = self.prefix_cache.choose(free, prompt, starts, self.chunk_size)
+            free.remove(slot)
+            seq.slot = slot
+            self.slots[slot] = seq
+            self._start_prefill(seq, prompt, reused)
 
-    def _start_prefill(self, seq: Sequence, tokens: list[int]) -> None:
-        seq.feed, seq.position, seq.next_token = tokens, 0, None
-        whole = self.long_from is not None and len(tokens) > self.long_from
-        seq.chunks = deque(plan_chunks(len(tokens), len(tokens) if whole else self.chunk_size))
+    def _plan(self, length: int) -> list[tuple[int, int]]:
+        whole = self.long_from is not None and length > self.long_from
+        return plan_chunks(length, length if whole else self.chunk_size)
+
+    def _start_prefill(self, seq: Sequence, tokens: list[int], reused: int = 0) -> None:
+        """Plan `tokens`' prefill; the first `reused` (a chunk start) are in the slot already."""
+        seq.feed, seq.position, seq.next_token = tokens, reused, None
+        seq.chunks = deque((start, end) for start, end in self._plan(len(tokens)) if start >= reused)
 
     def _restart_past_long_context(self, decoding) -> None:
         for seq in decoding:
@@ -216,6 +230,7 @@ class Engine:
                     self._guarded(seq, self._score_prompt, seq, out[1], start)
                 if seq.done:  # the chunk or its scoring failed, which ended the request
                     break
+                self.prefix_cache.extend(seq.slot, start, seq.feed[start:end], self.chunk_size)
                 logits = out[0] if scoring else out
                 seq.position = end
                 if not seq.chunks:
@@ -289,6 +304,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         if seq.slot is not None:
             self.slots[seq.slot] = None
+            self.prefix_cache.freed(seq.slot)
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)

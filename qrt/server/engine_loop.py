@@ -16,12 +16,14 @@ from .metrics import Metrics
 
 
 class EngineLoop:
-    def __init__(self, load, metrics: Metrics, *, chunk_size: int = DEFAULT_CHUNK, on_fatal=None):
+    def __init__(self, load, metrics: Metrics, *, chunk_size: int = DEFAULT_CHUNK, prefix_caching: bool = True,
+                 on_fatal=None):
         """load(): the CompiledModel, compiled and warm (runs on the engine thread).
         on_fatal(message): called (on the engine thread) if loading fails."""
         self._load = load
         self.metrics = metrics
         self.chunk_size = chunk_size
+        self.prefix_caching = prefix_caching
         self._on_fatal = on_fatal
         self.model = None
         self.engine: Engine | None = None
@@ -81,7 +83,8 @@ class EngineLoop:
             # The engine detokenizes with a tokenizer of its own: the HTTP thread encodes prompts
             # with the model's, and a Rust tokenizer must not be used by two threads at once.
             tokenizer = copy.deepcopy(self.model.tokenizer)
-            self.engine = Engine(self.model, chunk_size=self.chunk_size, tokenizer=tokenizer)
+            self.engine = Engine(self.model, chunk_size=self.chunk_size, tokenizer=tokenizer,
+                                 prefix_caching=self.prefix_caching)
         except BaseException as err:  # noqa: BLE001  (reported, and the server shuts down)
             self.load_error = f"{type(err).__name__}: {err}"
             traceback.print_exc(file=sys.stderr)
@@ -90,6 +93,7 @@ class EngineLoop:
             return
         self.ready.set()
         engine = self.engine
+        reused = engine.prefix_cache.reused_tokens
         while True:
             while self._inbox:
                 engine.add(self._inbox.popleft())
@@ -101,6 +105,8 @@ class EngineLoop:
                     traceback.print_exc(file=sys.stderr)
                     engine.fail_all(err)
                 self.metrics.step_seconds.observe(time.perf_counter() - started)
+                self.metrics.prefix_reused_tokens.inc(engine.prefix_cache.reused_tokens - reused)
+                reused = engine.prefix_cache.reused_tokens
             elif self._stopping:
                 return
             else:

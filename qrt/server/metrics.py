@@ -22,6 +22,9 @@ class Metrics:
                                       buckets=_LATENCY_BUCKETS, registry=registry)
         self.generated_tokens = Counter("qrt_generated_tokens", "Tokens generated", registry=registry)
         self.prompt_tokens = Counter("qrt_prompt_tokens", "Prompt tokens accepted", registry=registry)
+        self.prefix_reused_tokens = Counter(
+            "qrt_prefix_cache_reused_tokens", "Prompt tokens not prefilled: whole prefill chunks a free KV-cache "
+            "slot held from an earlier request", registry=registry)
         self.requests = Counter("qrt_requests", "Requests by outcome: stop, length, cancelled, error (inside the "
                                 "engine), rejected (refused before it)", ["outcome"], registry=registry)
 

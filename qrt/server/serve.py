@@ -10,7 +10,7 @@ from qrt.runtime.engine import DEFAULT_CHUNK
 
 def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, max_body_bytes: int = 1 << 20, chunk_size: int = DEFAULT_CHUNK,
-          max_batch: int = 8, drain_timeout_s: float = 600) -> int:
+          max_batch: int = 8, drain_timeout_s: float = 600, prefix_caching: bool = True) -> int:
     """load(): the compiled, warm CompiledModel (called on the engine thread). Returns the exit code."""
     import uvicorn
 
@@ -32,7 +32,8 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
               f"({max_batch} slots of {model.max_seq_len} tokens)", file=sys.stderr, flush=True)
         return model
 
-    loop = EngineLoop(load_and_announce, metrics, chunk_size=chunk_size, on_fatal=on_fatal)
+    loop = EngineLoop(load_and_announce, metrics, chunk_size=chunk_size, prefix_caching=prefix_caching,
+                      on_fatal=on_fatal)
     metrics.slots.set(max_batch)
     metrics.watch(loop)
     app = create_app(loop, model_name=model_name, api_key=api_key, max_queue=max_queue,
