@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
+import jsonschema
 import openai
 import pytest
 
@@ -256,7 +257,6 @@ def test_penalties_and_logit_bias_give_what_the_engine_gives_with_them(client, c
 
 
 def test_structured_output_answers_validate_against_their_schema(client):
-    import jsonschema
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 50}},
               "required": ["ok", "n"], "additionalProperties": False}
@@ -279,6 +279,72 @@ def test_structured_output_answers_validate_against_their_schema(client):
     with pytest.raises(openai.BadRequestError, match="one structured-output constraint per request"):
         client.completions.create(model=NAME, prompt="x", max_tokens=4,
                                   extra_body={"response_format": {"type": "json_object"}, "guided_regex": "a+"})
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str]:
+    """The tool calls a stream sent (name and arguments, by index) and its finish reason."""
+    calls, finish = {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_forced_tool_call_has_arguments_valid_for_its_schema(client):
+    """tool_choice naming a function, or "required": the answer is a call whose arguments follow
+    the function's parameters schema (the untrained model is held to it by the grammar)."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, seed in ((named, 1), ("required", 2), ("required", 3)):
+        reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                               max_tokens=100, temperature=1.0, seed=seed)
+        (call,) = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+        assert call.type == "function" and call.id.startswith("call_")
+        assert choice == "required" or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        stream = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                                max_tokens=100, temperature=1.0, seed=seed, stream=True)
+        calls, finish = _streamed_calls(stream)
+        assert finish == "tool_calls" and calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+
+
+def test_tools_offered_in_auto_leave_a_plain_answer_as_text(client, chat_model):
+    """With tool_choice "auto" the model decides; the tiny model's answer holds no <tool_call>
+    block, so it comes back as its text (its chat template does not show tools, so the prompt,
+    and the text, are the request's without tools). A conversation that carries earlier calls
+    and a tool's result is taken."""
+    ids = chat_model.encode_messages(ASK)
+    text, _, finish = expected(chat_model, ids, 12)
+    reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == text and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == finish
+    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = client.chat.completions.create(model=NAME, messages=turns, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    with pytest.raises(openai.BadRequestError, match="'required' needs tools"):
+        client.chat.completions.create(model=NAME, messages=ASK, tool_choice="required", max_tokens=4)
 
 
 @pytest.mark.parametrize("fields, param, words", [
@@ -308,6 +374,8 @@ def test_other_errors_have_the_openai_shape(server, client):
     with pytest.raises(openai.NotFoundError, match="serves 'tiny-chat'"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="messages.0.role"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "robot", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only a tool message, has a tool_call_id"):
         client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "x"}], max_tokens=2)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     raw = httpx.post(f"{server.url}/v1/completions", headers=headers, content=b'{"model": ', timeout=30)

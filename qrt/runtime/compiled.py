@@ -521,15 +521,16 @@ class CompiledModel:
             return self.encode_messages([{"role": "user", "content": text}])
         return self.tokenizer.encode(text)
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation ([{"role", "content"}, …]) in the tokenizer's chat template,
-        ending with the prompt for the assistant's turn."""
+        ending with the prompt for the assistant's turn; `tools` (OpenAI's JSON) as the template
+        shows them to the model."""
         if self.tokenizer is None:
             raise ValueError(f"{self.source} has no usable tokenizer, so chat messages cannot be encoded")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.source}: the tokenizer has no chat template; use the completions "
                              f"endpoint (or generate without chat=True)")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_ids(self, ids: torch.Tensor, allow_batch: bool) -> torch.Tensor:

@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qrt.runtime.engine import ERROR, Update
+from qrt.runtime.engine import ERROR, STOP, Update
 from qrt.runtime.sampling import SamplingParams
 
 from .body_limit import BodyLimit
 from .logprob_shapes import LogprobShapes
+from . import tools
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there
@@ -124,8 +125,9 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         authorize(request)
         model = _checked(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = Prompt(_encode(lambda: model.encode_messages(messages), "messages"), None)
+        messages = [tools.template_message(m) for m in body.messages]
+        offered = tools.template_tools(body.tools) if body.tool_mode() is not None else None
+        prompt = Prompt(_encode(lambda: model.encode_messages(messages, offered), "messages"), None)
         top = body.top_logprobs or 0
         scoring = Scoring(top if body.logprobs else None, None, False, top=body.top_logprobs is not None)
         return await _serve(body, model, [prompt], body.token_limit(), request, chat=True, scoring=scoring)
@@ -167,7 +169,8 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         running = [loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
-        reply = _Reply(chat, model_name, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts)
+        reply = _Reply(chat, model_name, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts,
+                       body.tools if chat else None, body.tool_mode() if chat else None)
         if body.stream:
             return StreamingResponse(_stream(running, reply, body.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -236,11 +239,16 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
                     yield _event(reply.echo_chunk(index, seq, include_usage))
                 if update.logprob is not None:
                     pending[index].append(update.logprob)
-                if update.text:
+                if update.text and reply.tool_mode is None:
                     yield _event(reply.chunk(index, update.text, None, pending[index], include_usage))
                     pending[index] = []
                 if update.finish_reason is not None:
-                    yield _event(reply.chunk(index, None, update.finish_reason, pending[index], include_usage))
+                    finish_reason = update.finish_reason
+                    if reply.tool_mode is not None:  # the answer goes whole: only now is it known to be calls
+                        message, finish_reason = reply.message(seq)
+                        yield _event(reply.chunk(index, message, None, pending[index], include_usage))
+                        pending[index] = []
+                    yield _event(reply.chunk(index, None, finish_reason, pending[index], include_usage))
                     left -= 1
             if include_usage and not failed:
                 yield _event(reply.usage_chunk(sum(len(seq.tokens) for seq, _ in running)))
@@ -315,9 +323,10 @@ class _Reply:
     """The response and stream-chunk JSON of one request (one choice per prompt)."""
 
     def __init__(self, chat: bool, model_name: str, prompt_tokens: int, shapes: LogprobShapes, scoring: Scoring,
-                 prompts: list[Prompt]):
+                 prompts: list[Prompt], offered: list | None = None, tool_mode: str | None = None):
         self.chat, self.model, self.prompt_tokens = chat, model_name, prompt_tokens
         self.shapes, self.scoring, self.prompts = shapes, scoring, prompts
+        self.offered, self.tool_mode = offered, tool_mode  # the request's tools, and tools.py's mode
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.sent = [[] for _ in prompts]  # per choice, the ids whose text went out (for text_offset)
@@ -356,14 +365,25 @@ class _Reply:
                 if self.scoring.echo:
                     logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": seq.finish_reason})
+                message, finish_reason = self.message(seq)
+                choices.append({"index": index, "message": {"role": "assistant", **message},
+                                "logprobs": logprobs, "finish_reason": finish_reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": seq.finish_reason})
         kind = "chat.completion" if self.chat else "text_completion"
         completion_tokens = sum(len(seq.tokens) for seq in sequences)
         return {**self._head(kind), "choices": choices, "usage": self.usage(completion_tokens)}
+
+    def message(self, seq) -> tuple[dict, str]:
+        """A chat choice's answer ({"content"}, or {"content", "tool_calls"}) and finish_reason.
+        A complete answer in a tool mode is read for calls; one cut short stays text."""
+        if self.tool_mode is None or seq.finish_reason != STOP:
+            return {"content": seq.text}, seq.finish_reason
+        content, calls = tools.read_answer(seq.text, self.offered, self.tool_mode)
+        if not calls:
+            return {"content": content}, seq.finish_reason
+        return {"content": content, "tool_calls": calls}, "tool_calls"
 
     def echo_chunk(self, index: int, seq, include_usage: bool) -> dict:
         """A completions stream's first chunk of a choice with echo: its prompt (and its scores)."""
@@ -376,6 +396,8 @@ class _Reply:
         logprobs = self._logprobs(index, [s.token for s in scores], scores) if scores else None
         if self.chat:
             content = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
+            if "tool_calls" in content:  # a stream's calls carry their place in the list
+                content = {**content, "tool_calls": [{"index": i, **call} for i, call in enumerate(content["tool_calls"])]}
             return self._chunk(index, {"delta": content}, finish_reason, logprobs, include_usage)
         return self._chunk(index, {"text": delta or ""}, finish_reason, logprobs, include_usage)
 

@@ -2,7 +2,7 @@
 
 Every field the OpenAI API defines for these endpoints is known here. Fields qrt implements take
 any valid value; fields it does not implement are accepted only at the value that means "off"
-(best_of unset, no tools, …), and anything else is a 400 naming the field.
+(best_of unset, no suffix), and anything else is a 400 naming the field.
 Fields the API does not define are a 400 too: nothing a client sends is silently ignored.
 """
 
@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from qrt.runtime import structured
 from qrt.runtime.logprobs import MAX_TOP
+
+from . import tools as tool_calls
 
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_N = 16  # choices per prompt
@@ -40,13 +42,9 @@ def _valid_utf8(text: str, field: str) -> str:
 # Fields the OpenAI API defines that qrt does not implement: the values that mean "off" (the first
 # is the one to send), and why another value cannot be honoured.
 _NOT_IMPLEMENTED = "qrt does not implement it"
-_NO_TOOLS = "qrt does not implement tool calling"
 OFF_ONLY = {
     "best_of": ((None, 1), "qrt returns every sequence it generates; use n"),
     "suffix": ((None,), _NOT_IMPLEMENTED),
-    "tools": ((None, []), _NO_TOOLS),
-    "tool_choice": ((None, "none"), _NO_TOOLS),
-    "parallel_tool_calls": ((None, False), _NO_TOOLS),
 }
 
 
@@ -223,20 +221,72 @@ class TextPart(BaseModel):
     text: str
 
 
+class _Strict(BaseModel):
+    """A part of a request body: a field the API does not define is a 400."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; None: any object
+    strict: bool | None = None  # the arguments always follow the schema where the call is forced
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
     def _utf8(cls, v):
-        for text in [v] if isinstance(v, str) else [p.text for p in v]:
+        for text in [] if v is None else [v] if isinstance(v, str) else [p.text for p in v]:
             _valid_utf8(text, "content")
         return v
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's message with tool_calls "
+                             f"may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, has a tool_call_id")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -246,9 +296,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced call is one call; in "auto" the model may make several
 
     @model_validator(mode="after")
     def _one_limit(self):
@@ -262,6 +312,35 @@ class ChatCompletionRequest(_Generation):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools: function names must differ, got {names}")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    def tool_mode(self) -> str | None:
+        """None (a text answer), "auto", "required", or the name of the function to call."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def grammar(self) -> str | None:
+        mode, other = self.tool_mode(), super().grammar()
+        if mode in (None, "auto"):
+            return other
+        if other is not None:
+            raise ValueError("a forced tool call constrains the output already; leave out the other "
+                             "structured-output fields")
+        return tool_calls.forced_grammar(self.tools, mode)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

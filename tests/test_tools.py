@@ -1,0 +1,42 @@
+"""Reading a model's answer for tool calls (qrt/server/tools.py), without a server: Hermes
+<tool_call> blocks in "auto", the forced shapes of "required" and a named function."""
+
+import json
+
+from qrt.server.protocol import ChatMessage, ToolSpec
+from qrt.server.tools import read_answer, template_message
+
+TOOLS = [ToolSpec.model_validate({"type": "function", "function": {"name": name}}) for name in ("search", "add")]
+
+
+def _calls(calls):
+    return [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls]
+
+
+def test_auto_reads_hermes_blocks_that_name_an_offered_tool_and_keeps_the_rest_as_text():
+    text = ('Let me look.\n<tool_call>\n{"name": "search", "arguments": {"q": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    content, calls = read_answer(text, TOOLS, "auto")
+    assert content == "Let me look." and _calls(calls) == [("search", {"q": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls)
+    assert len({call["id"] for call in calls}) == 2
+    # Not JSON, or a tool nobody offered: the text stays as it is.
+    for text in ('<tool_call>{"name": "search", "arguments": </tool_call>',
+                 '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>', "Just text."):
+        assert read_answer(text, TOOLS, "auto") == (text, [])
+    assert read_answer('<tool_call>{"name": "add", "arguments": {}}</tool_call>', TOOLS, "auto")[0] is None
+
+
+def test_a_forced_answer_is_one_call():
+    assert _calls(read_answer('{"name": "add", "arguments": {"a": 1}}', TOOLS, "required")[1]) == [("add", {"a": 1})]
+    assert read_answer('{"q": "x"}', TOOLS, "search")[0] is None
+    assert _calls(read_answer('{"q": "x"}', TOOLS, "search")[1]) == [("search", {"q": "x"})]
+
+
+def test_earlier_calls_reach_the_chat_template_with_their_arguments_as_objects():
+    message = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]})
+    assert template_message(message) == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]}
+    answer = ChatMessage.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "3"})
+    assert template_message(answer) == {"role": "tool", "content": "3", "tool_call_id": "call_1"}
