@@ -175,6 +175,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, chat_model
     assert offsets[0] == 0 and all(choice.text[o:].startswith(t) for o, t in zip(offsets, logprobs.tokens))
 
 
+def test_a_streamed_echo_sends_the_prompt_first_then_what_a_whole_reply_holds(client):
+    whole = client.completions.create(model=NAME, prompt="Echo me", max_tokens=6, temperature=0, echo=True)
+    for logprobs in (None, 1):
+        chunks = [c for c in client.completions.create(model=NAME, prompt="Echo me", max_tokens=6, temperature=0,
+                                                       echo=True, logprobs=logprobs, stream=True)]
+        assert chunks[0].choices[0].text == "Echo me"
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        if logprobs:  # the prompt's scores come with it: the first token's are None
+            assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+
+
 def test_echo_with_no_new_tokens_returns_the_prompt_and_its_scores(client, chat_model):
     prompt = "Scored, not continued."
     out = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0)

@@ -4,7 +4,7 @@
 import json
 
 from qrt.server.protocol import ChatMessage, ToolSpec
-from qrt.server.tools import read_answer, template_message
+from qrt.server.tools import read_answer, template_message, template_tools
 
 TOOLS = [ToolSpec.model_validate({"type": "function", "function": {"name": name}}) for name in ("search", "add")]
 
@@ -40,3 +40,24 @@ def test_earlier_calls_reach_the_chat_template_with_their_arguments_as_objects()
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]}
     answer = ChatMessage.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "3"})
     assert template_message(answer) == {"role": "tool", "content": "3", "tool_call_id": "call_1"}
+
+
+# A chat template in the style of Qwen2.5's: the offered tools go into the system turn as JSON.
+HERMES_TEMPLATE = ("{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+                   "</tools><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                   "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_the_tools_reach_a_chat_template_that_shows_them(chat_model):
+    tools = [ToolSpec.model_validate({"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tokenizer = chat_model.tokenizer
+    saved, tokenizer.chat_template = tokenizer.chat_template, HERMES_TEMPLATE
+    try:
+        shown = tokenizer.decode(chat_model.encode_messages(messages, template_tools(tools)))
+        plain = tokenizer.decode(chat_model.encode_messages(messages))
+    finally:
+        tokenizer.chat_template = saved
+    assert '<tools>{"type": "function", "function": {"name": "get_weather", "parameters": ' in shown
+    assert "<tools>" not in plain and shown.endswith(plain)

@@ -223,9 +223,13 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
                 for index in range(len(running)):
                     yield _event(reply.chunk(index, {"role": "assistant", "content": ""}, None, [], include_usage))
             pending = [[] for _ in running]  # scored tokens not yet sent, per choice
-            # With echo, a choice's prompt goes first, with its scores: the engine has scored it by
-            # the time the choice's first update comes.
+            # With echo, a choice's prompt goes first: at once, or, when it is scored, with its
+            # scores, which the engine has computed by the time the choice's first update comes.
             echoed = [not reply.scoring.echo for _ in running]
+            if reply.scoring.echo and reply.scoring.prompt is None:
+                for index, (seq, _) in enumerate(running):
+                    echoed[index] = True
+                    yield _event(reply.echo_chunk(index, seq, include_usage))
             left, failed = len(running), False
             while left:
                 index, update = await merged.get()
