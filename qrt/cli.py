@@ -171,16 +171,20 @@ def _serve(args) -> int:
     from qrt.runtime.engine import DEFAULT_CHUNK
     from qrt.server.serve import serve
 
-    if args.tp != 1:
-        raise ValueError("qrt serve runs in one process; --tp > 1 is for generate, eval, inspect and dump")
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                                ("--max-body-bytes", args.max_body_bytes, 1024), ("--prefill-chunk", args.prefill_chunk, 3)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    chunk_size = args.prefill_chunk or DEFAULT_CHUNK
+    if os.environ.get("RANK", "0") != "0":  # under torchrun with --tp: rank 0 serves, the others follow it
+        from qrt.server.lockstep import follow
+
+        model = _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len)
+        return follow(model, chunk_size=chunk_size, prefix_caching=args.prefix_caching)
     name = args.served_model_name or ("default" if args.path is None else Path(args.path).name)
     return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                 max_body_bytes=args.max_body_bytes, chunk_size=args.prefill_chunk or DEFAULT_CHUNK,
+                 max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
                  max_batch=args.max_batch, prefix_caching=args.prefix_caching)
 
 

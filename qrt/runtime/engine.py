@@ -159,10 +159,20 @@ class Engine:
         while not all(seq.done for seq in sequences):
             self.step()
 
-    def step(self) -> None:
-        """One round: drop cancelled requests, admit waiting ones, prefill, decode, sample."""
-        for seq in [s for s in self.slots if s is not None and s.cancelled] + [s for s in self.waiting if s.cancelled]:
-            self._finish(seq, CANCELLED)
+    def live(self) -> list[Sequence]:
+        """The requests in hand: in a slot or waiting for one."""
+        return [s for s in self.slots if s is not None] + list(self.waiting)
+
+    def step(self, cancelled: list[Sequence] | None = None) -> None:
+        """One round: drop cancelled requests, admit waiting ones, prefill, decode, sample.
+
+        cancelled: the requests to drop; None: those marked with `cancel()`. The ranks of a
+        sharded model pass the list rank 0 sent (qrt/server/lockstep.py), so that all drop the
+        same requests at the same step however late a mark came."""
+        dropping = [s for s in self.live() if s.cancelled] if cancelled is None else cancelled
+        for seq in dropping:
+            if not seq.done:
+                self._finish(seq, CANCELLED)
         self._admit()
         decoding = [s for s in self.slots if s is not None and s.next_token is not None]
         self._restart_past_long_context(decoding)
@@ -183,7 +193,7 @@ class Engine:
 
     def fail_all(self, err: BaseException) -> None:
         """End every request in hand with `err` (the caller's step failed outside any one request)."""
-        for seq in [s for s in self.slots if s is not None] + list(self.waiting):
+        for seq in self.live():
             self._fail(seq, err)
 
     # ---- scheduling -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections import deque
 
 from qrt.runtime.engine import DEFAULT_CHUNK, Engine, Request, Sequence
 
+from .lockstep import Leader
 from .metrics import Metrics
 
 
@@ -91,23 +92,31 @@ class EngineLoop:
             if self._on_fatal is not None:
                 self._on_fatal(self.load_error)
             return
-        self.ready.set()
         engine = self.engine
+        # A sharded model: the other ranks run this engine too, told each round what changed.
+        leader = Leader() if self.model.parallel.sharded else None
+        self.ready.set()
         reused = engine.prefix_cache.reused_tokens
         while True:
+            added = []
             while self._inbox:
-                engine.add(self._inbox.popleft())
+                added.append(self._inbox.popleft())
+                engine.add(added[-1])
+            last = self._stopping and not engine.has_work
+            dropped = None  # one process: the engine drops what is marked cancelled
+            if leader is not None and (added or engine.has_work or last or leader.heartbeat_due()):
+                dropped = leader.send(engine, added, last=last)
             if engine.has_work:
                 started = time.perf_counter()
                 try:
-                    engine.step()
+                    engine.step(cancelled=dropped)
                 except Exception as err:  # noqa: BLE001  (a fault outside any one request: end those in hand, go on)
                     traceback.print_exc(file=sys.stderr)
                     engine.fail_all(err)
                 self.metrics.step_seconds.observe(time.perf_counter() - started)
                 self.metrics.prefix_reused_tokens.inc(engine.prefix_cache.reused_tokens - reused)
                 reused = engine.prefix_cache.reused_tokens
-            elif self._stopping:
+            elif last:
                 return
             else:
                 self._wake.wait(timeout=0.5)
