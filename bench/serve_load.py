@@ -305,7 +305,8 @@ def qrt_server(args, log_dir: Path, prefix_caching: bool = True) -> tuple[Server
         command += ["--quant", args.quant]
     if not prefix_caching:
         command += ["--no-prefix-caching"]
-    return ServerProcess(command, port, "/health", log_dir / "qrt-serve.log"), "bench"
+    log = "qrt-serve.log" if prefix_caching else "qrt-serve-no-prefix-caching.log"
+    return ServerProcess(command, port, "/health", log_dir / log), "bench"
 
 
 def peer_gguf(args) -> tuple[Path | None, str]:

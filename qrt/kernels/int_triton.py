@@ -66,7 +66,7 @@ def gemm_tiles(m: int, n: int, k: int, fp32: bool = False) -> dict:
 
     Each pipeline stage holds the codes, scales and zero points per (k, n) as well as the
     activations, and a Hopper SM has 227 KiB of shared memory: 3 stages fit with bf16/fp16
-    activations (217-229 KiB with fp32 scales and zeros), 2 with fp32 ones (at 3 they ask for
+    activations (212-224 KiB with fp32 scales and zeros), 2 with fp32 ones (at 3 they ask for
     240-288 KiB). tests/test_triton_shared_memory.py compiles every configuration for sm_90."""
     stages = 2 if fp32 else 3
     if m <= 16:

@@ -10,8 +10,8 @@ steps; the graphs' shapes never change, so nothing recompiles as they do.
 
 Each request's output depends only on its own prompt and parameters: its prefill chunks are
 planned from its prompt length alone, and decode rows do not mix. A prompt that starts with whole
-chunks a free slot still holds skips them (prefix_cache.py), with the same result bit for bit. `CompiledModel.generate` is one
-request through this same engine.
+chunks a free slot still holds skips them (prefix_cache.py), with the same result bit for bit.
+`CompiledModel.generate` is one request through this same engine.
 
 Not thread-safe: one thread calls `submit` and `step` (the server's engine thread); `cancel` may be
 called from anywhere.

@@ -45,7 +45,7 @@ class Leader:
 
     def __init__(self):
         self.group = ranks_group()
-        self.numbers: dict[int, int] = {}  # id(sequence) -> its number
+        self.numbers: dict[int, int] = {}  # id(sequence) -> its number, for the requests in hand
         self._next = 0
         self.sent_at = time.monotonic()
 
@@ -60,8 +60,10 @@ class Leader:
                        [self.numbers[id(seq)] for seq in dropped], step=engine.has_work, last=last)
         _exchange(self.group, round_)
         self.sent_at = time.monotonic()
-        for seq in dropped:
-            self.numbers.pop(id(seq), None)
+        # Only the requests still in hand can be dropped later: forget the rest (and their ids,
+        # which Python may give to new objects).
+        kept = {id(seq) for seq in engine.live()} - {id(seq) for seq in dropped}
+        self.numbers = {key: number for key, number in self.numbers.items() if key in kept}
         return dropped
 
     def heartbeat_due(self) -> bool:
