@@ -31,6 +31,7 @@ from .malloc import map_large_allocations
 from .prefix_cache import PrefixCache
 from .registry import ModelRegistry
 from .sampling import SamplingParams
+from .speculative import SpeculativeConfig
 
 DEFAULT_MAX_SEQ_LEN = 2048
 # "regional": each distinct decoder layer compiled once, weights as graph inputs (prepacked by
@@ -59,6 +60,7 @@ def compile_model(
     cache: bool = True,
     progress: bool = True,
     tp: int = 1,
+    speculative: dict | SpeculativeConfig | None = None,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
 
@@ -76,6 +78,10 @@ def compile_model(
     tp: tensor parallelism over that many ranks, one process each (started by torchrun; call
     compile_model in every one). Each rank loads only its part of the weights; only rank 0 reports
     progress; every rank returns the same tokens.
+    speculative: speculative decoding for every request of `generate`, `generate_batch` and the
+    engine, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2} (vLLM's names; runtime/speculative.py). Greedy output is unchanged;
+    sampled output keeps its distribution.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -85,6 +91,7 @@ def compile_model(
                          "weights, and the regional build runs the loader's prepacked GEMMs instead")
     if autotune is None:
         autotune = build == "frozen" and os.environ.get("QRT_AUTOTUNE", "1") != "0"
+    speculative = SpeculativeConfig.parse(speculative)
     if path is None:
         from .default_model import default_model_path
 
@@ -116,12 +123,13 @@ def compile_model(
             "kernel_device": str(device_config.kernel_device), "dtype": str(next(model.parameters()).dtype), "max_seq_len": max_seq_len,
             "max_batch_size": max_batch_size, "build": build, "model": model_cls.__name__,
             "tp": parallel.size, "rank": parallel.rank,
+            "verify_width": speculative.width if speculative else None,
         })
         compile_cache = CompileCache(key, parts)
         use_qrt_inductor_dir()
     compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
                              compile=compile, build=build, autotune=autotune, progress=progress,
-                             source=Path(path), compile_cache=compile_cache)
+                             source=Path(path), compile_cache=compile_cache, speculative=speculative)
     if compile and warmup:
         compiled.warmup()
     return compiled
@@ -135,7 +143,11 @@ def _decode(model, input_ids, positions, keys):
     return model(input_ids, positions, keys)
 
 
-_DECODE_INPUTS = ("input_ids", "positions", "keys")  # _decode's tensors, by name
+def _verify(model, input_ids, positions, keys):
+    return model(input_ids, positions, keys)
+
+
+_STEP_INPUTS = ("input_ids", "positions", "keys")  # _decode's and _verify's tensors, by name
 
 
 def _forward(model, input_ids):
@@ -156,7 +168,8 @@ class CompiledModel:
     """A loaded model with compiled prefill, decode and full-sequence forward graphs."""
 
     def __init__(self, model, tokenizer, scheme, eos_ids: set[int], *, compile: bool, progress: bool, source,
-                 build: str = "regional", autotune: bool = False, compile_cache: CompileCache | None = None):
+                 build: str = "regional", autotune: bool = False, compile_cache: CompileCache | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.scheme = scheme
@@ -170,6 +183,7 @@ class CompiledModel:
         self.max_batch_size = model.max_batch_size  # KV-cache slots
         self.build = build
         self.compile_cache = compile_cache
+        self.speculative = speculative
         self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
         self._engine: Engine | None = None
         # What each KV-cache slot holds for prompts that start the same (prefix_cache.py): kept
@@ -180,16 +194,17 @@ class CompiledModel:
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
         # dynamic in length, where autotuning would pick for one length.
         self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode")
-                         for role in ("prefill", "decode", "forward")}
+                         for role in ("prefill", "decode", "verify", "forward")}
         # Dynamo decides while tracing whether parameters become constants (Inductor freezing),
         # so the flag must be on around every call that may trace, not only inside the backend.
         self._trace_config = {"freezing": True} if freeze and compile else {}
         self.compile_seconds: dict[str, float] = {}
-        # The decode graph called without Dynamo once it is compiled (direct_graph.py); None until
-        # then, or where its inputs cannot be told apart. `guarded()` turns it off for a while.
-        self.direct_decode: DirectGraph | None = None
+        # The decode and verify graphs called without Dynamo once compiled (direct_graph.py), by
+        # role; absent until then, or where its inputs cannot be told apart. `guarded()` turns
+        # them off for a while.
+        self.direct: dict[str, DirectGraph] = {}
         self._guarded = False
-        fns = {"prefill": _prefill, "decode": _decode, "forward": _forward}
+        fns = {"prefill": _prefill, "decode": _decode, "verify": _verify, "forward": _forward}
         if compile:
             number = next(_model_numbers)
             self._fns = {
@@ -330,24 +345,44 @@ class CompiledModel:
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
         """One token per cache slot: tokens, positions [slots]; attention over the first
         `attended` cache entries (the furthest row's position + 1). float32 logits [slots, V]."""
-        for slot, position in enumerate(positions.tolist()):
-            self.prefix_cache.overwritten(slot, position)
-        if self.direct_decode is not None and not self._guarded:
-            inputs = self._decode_tensors(tokens, positions, attended)
-            return self.direct_decode(dict(zip(_DECODE_INPUTS, inputs)), len(inputs[2]))[0][:, 0]
-        inputs = self._decode_inputs(tokens, positions, attended)
-        graphs_before = len(self.backends["decode"].log.graphs)
-        logits = self._run("decode", *inputs)
-        if len(self.backends["decode"].log.graphs) > graphs_before:  # this call compiled it
-            self._capture_direct_decode(inputs)
-        return logits[:, 0]
+        return self._step("decode", tokens.view(-1, 1), positions.view(-1, 1), attended)[:, 0]
 
-    def _capture_direct_decode(self, inputs: tuple) -> None:
-        """After a call that compiled the decode graph: keep it, to be called without Dynamo."""
+    def verify_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
+        """A speculative check: tokens, positions [slots, k + 1], each slot's next token and its
+        guesses at consecutive positions (unused places: token 0 at the cache's last position,
+        as idle rows feed); `attended` covers the furthest. float32 logits [slots, k + 1, V]:
+        place t's are what a decode step feeding that token would give."""
+        if self.speculative is None:
+            raise ValueError("verify_step needs a model compiled with speculative=…")
+        return self._step("verify", tokens, positions, attended)
+
+    @property
+    def direct_decode(self) -> DirectGraph | None:
+        """The decode graph as called without Dynamo (None until it is compiled)."""
+        return self.direct.get("decode")
+
+    def _step(self, role: str, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
+        """Run the decode or verify graph on tokens, positions [slots, W]: logits [slots, W, V]."""
+        for slot, position in enumerate(positions[:, 0].tolist()):
+            self.prefix_cache.overwritten(slot, position)
+        direct = self.direct.get(role)
+        if direct is not None and not self._guarded:
+            inputs = self._step_tensors(tokens, positions, attended)
+            return direct(dict(zip(_STEP_INPUTS, inputs)), len(inputs[2]))[0]
+        inputs = self._step_inputs(tokens, positions, attended)
+        graphs_before = len(self.backends[role].log.graphs)
+        logits = self._run(role, *inputs)
+        if len(self.backends[role].log.graphs) > graphs_before:  # this call compiled it
+            self._capture_direct(role, inputs)
+        return logits
+
+    def _capture_direct(self, role: str, inputs: tuple) -> None:
+        """After a call that compiled `role`'s graph: keep it, to be called without Dynamo."""
         state = [*self.model.parameters(), *self.model.buffers()]
-        self.direct_decode = DirectGraph.capture(
-            self.backends["decode"].last_compiled, dict(zip(_DECODE_INPUTS, inputs)), state,
-            dynamic=("keys", 0), size_range=(2, self.max_seq_len - 1))
+        direct = DirectGraph.capture(self.backends[role].last_compiled, dict(zip(_STEP_INPUTS, inputs)), state,
+                                     dynamic=("keys", 0), size_range=(2, self.max_seq_len - 1), role=role)
+        if direct is not None:
+            self.direct[role] = direct
 
     @contextlib.contextmanager
     def guarded(self):
@@ -365,7 +400,8 @@ class CompiledModel:
         at position 2, the others idle) graph gets them, for tools that trace the model."""
         if role == "prefill":
             return self._prefill_inputs(list(range(3, 9)), 0, 0)
-        return self._decode_inputs(*self._slot0_step(3, 2), 3)
+        tokens, positions = self._slot0_step(3, 2)
+        return self._step_inputs(tokens.view(-1, 1), positions.view(-1, 1), 3)
 
     def _prefill_inputs(self, tokens: list[int], start: int, slot: int) -> tuple:
         length = len(tokens)
@@ -390,16 +426,16 @@ class CompiledModel:
         index = torch.tensor([logits_at], dtype=torch.long, device=self.device)  # [1]
         return ids, positions, keys, slots, index
 
-    def _decode_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
-        """The decode graph's inputs (_DECODE_INPUTS): ids, positions [slots, 1] and keys [S']."""
+    def _step_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+        """The decode or verify graph's inputs (_STEP_INPUTS): ids, positions [slots, W] and keys [S']."""
         # At least 2 keys, because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
         keys = torch.arange(max(attended, 2), dtype=torch.long, device=self.device)  # [S']
-        return tokens.to(self.device).view(-1, 1), positions.to(self.device).view(-1, 1), keys
+        return tokens.to(self.device), positions.to(self.device), keys
 
-    def _decode_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
-        """_decode_tensors, for a call through Dynamo: the attended length grows every step, and a
+    def _step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+        """_step_tensors, for a call through Dynamo: the attended length grows every step, and a
         dynamic dim keeps it one graph."""
-        inputs = self._decode_tensors(tokens, positions, attended)
+        inputs = self._step_tensors(tokens, positions, attended)
         torch._dynamo.mark_dynamic(inputs[2], 0, min=2, max=self.max_seq_len - 1)
         return inputs
 
@@ -408,8 +444,14 @@ class CompiledModel:
         in its busy ones. An idle row feeds token 0 at the last cache position, which no request
         reaches (the last token of a request that fills the cache is sampled, never fed) and none
         attends."""
-        tokens = torch.zeros(self.max_batch_size, dtype=torch.long)
-        positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, dtype=torch.long)
+        tokens, positions = self.idle_rows(1)
+        return tokens[:, 0], positions[:, 0]
+
+    def idle_rows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [slots, width] with every place idle (see idle_decode_rows): the
+        verify graph's inputs (width k + 1) before the caller fills in its rows."""
+        tokens = torch.zeros(self.max_batch_size, width, dtype=torch.long)
+        positions = torch.full((self.max_batch_size, width), self.max_seq_len - 1, dtype=torch.long)
         return tokens, positions
 
     def _slot0_step(self, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,8 +475,8 @@ class CompiledModel:
             return self._fns[role](self.model, *args)
 
     def warmup(self) -> None:
-        """Compile prefill and decode now (or load them from qrt's compile cache), saying which
-        and how long it took."""
+        """Compile prefill and decode (and verify, with speculative decoding) now, or load them
+        from qrt's compile cache, saying which and how long it took."""
         entry = self._load_cached_graphs()
         self.cache_hit = entry is not None
         if entry is not None:
@@ -446,7 +488,7 @@ class CompiledModel:
         # A fresh record of cache artifacts, so that the entry holds this model's graphs only
         # (torch versions without it record the whole process's, which is safe, only larger).
         with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
-            for role in ("prefill", "decode"):
+            for role in ("prefill", "decode") + (("verify",) if self.speculative else ()):
                 role_started = time.perf_counter()
                 if entry is None:
                     self._say(f"qrt: compiling {role} …")
@@ -466,8 +508,12 @@ class CompiledModel:
         chunk length and the attended length as two sizes, not one."""
         if role == "prefill":
             self.prefill_chunk([0, 0], 1, 0)
-        else:
+        elif role == "decode":
             self._decode(torch.zeros(1, 1, dtype=torch.long), 2)
+        else:
+            tokens, positions = self.idle_rows(self.speculative.width)
+            positions[0] = torch.arange(2, 2 + self.speculative.width)
+            self.verify_step(tokens, positions, 2 + self.speculative.width)
 
     def _say(self, line: str) -> None:
         if self.progress:

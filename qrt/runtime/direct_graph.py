@@ -1,4 +1,4 @@
-"""A compiled graph called without Dynamo, for the decode step.
+"""A compiled graph called without Dynamo, for the decode step (and the speculative check).
 
 Every call of a `torch.compile`d function goes through Dynamo first: its cache lookup evaluates a
 guard on each of a few hundred weight and cache tensors, its bytecode gathers them from the
@@ -37,7 +37,8 @@ class DirectGraph:
     """`compiled(*inputs)` with the weights and caches filled in; call it with the step's tensors."""
 
     def __init__(self, compiled, template: list, steps: list[StepInput], size_position: int | None,
-                 size_range: tuple[int, int]):
+                 size_range: tuple[int, int], role: str = "decode"):
+        self.role = role  # which step's graph, for errors
         self.compiled = compiled
         self.template = template  # every graph input; the step's slots are refilled on each call
         self.steps = steps
@@ -46,7 +47,7 @@ class DirectGraph:
 
     @classmethod
     def capture(cls, compiled_and_inputs, step_tensors: dict[str, torch.Tensor], state: list[torch.Tensor],
-                dynamic: tuple[str, int], size_range: tuple[int, int]) -> "DirectGraph | None":
+                dynamic: tuple[str, int], size_range: tuple[int, int], role: str = "decode") -> "DirectGraph | None":
         """The graph a backend compiled (`QrtBackend.last_compiled`), with its inputs sorted into the
         step's own (`step_tensors`, by name, the very tensors of the traced call), the model's
         `state` (weights and buffers) and the dynamic size of `dynamic` = (tensor name, dim).
@@ -71,21 +72,21 @@ class DirectGraph:
             template.append(value)
         if sorted(s.name for s in steps) != sorted(step_tensors):
             return None
-        return cls(compiled, template, steps, size_position, size_range)
+        return cls(compiled, template, steps, size_position, size_range, role)
 
     def __call__(self, tensors: dict[str, torch.Tensor], size: int):
         """The graph's outputs for this step's tensors (by name) and dynamic size."""
         low, high = self.size_range
         if not low <= size <= high:
-            raise ValueError(f"decode step: attended length {size} is outside the range [{low}, {high}] the "
-                             f"decode graph was compiled for")
+            raise ValueError(f"{self.role} step: attended length {size} is outside the range [{low}, {high}] the "
+                             f"{self.role} graph was compiled for")
         inputs = self.template.copy()
         for step in self.steps:
             tensor = tensors[step.name]
             if (tensor.dtype != step.dtype or tensor.device != step.device or tensor.dim() != len(step.shape)
                     or any(got != (size if want is None else want) for got, want in zip(tensor.shape, step.shape))):
-                raise ValueError(f"decode step: input {step.name!r} is {tensor.dtype} {list(tensor.shape)} on "
-                                 f"{tensor.device}; the decode graph was compiled for {step.dtype} "
+                raise ValueError(f"{self.role} step: input {step.name!r} is {tensor.dtype} {list(tensor.shape)} on "
+                                 f"{tensor.device}; the {self.role} graph was compiled for {step.dtype} "
                                  f"{[size if s is None else s for s in step.shape]} on {step.device}")
             inputs[step.position] = tensor
         if self.size_position is not None:

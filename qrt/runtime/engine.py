@@ -4,8 +4,11 @@ The KV cache holds `max_batch_size` slots, each with positions of its own. Every
   1. prefill chunks of newly admitted requests (each chunk its own call of the prefill graph,
      at most `chunk_size` tokens in all, so a long prompt stalls running streams by one chunk);
   2. one call of the decode graph over every slot (B = slots, idle slots masked), for the
-     requests that were decoding when the step began;
-then samples each request's next token with its own parameters. Requests join and leave between
+     requests that were decoding when the step began; with speculative decoding, where some
+     request has guesses for its next tokens, one call of the verify graph instead, which feeds
+     each slot its next token and guesses (speculative.py);
+then samples each request's next token with its own parameters (or, after a check, keeps the
+guesses the model agrees with and samples one token after them). Requests join and leave between
 steps; the graphs' shapes never change, so nothing recompiles as they do.
 
 Each request's output depends only on its own prompt and parameters: its prefill chunks are
@@ -25,7 +28,8 @@ import torch
 
 from .distributed import broadcast_from_first
 from .logprobs import TokenLogprob, scored
-from .sampling import SamplingParams, adjusted, sample
+from .sampling import SamplingParams, adjusted, check_guess, sample
+from .speculative import GuessState, Speculator
 from .structured import GrammarState, GrammarTokenizer
 from .text_stream import TextStream
 
@@ -84,6 +88,7 @@ class Sequence:
     generator: torch.Generator | None = None
     stream: TextStream | None = None
     grammar: GrammarState | None = None
+    guessing: GuessState = field(default_factory=GuessState)  # speculative decoding's record for it
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -106,9 +111,12 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class Engine:
-    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None, prefix_caching: bool = True):
+    def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None, prefix_caching: bool = True,
+                 speculate: bool = True):
         """tokenizer: what turns ids into text (default: the model's). prefix_caching: skip the
-        whole prefill chunks a free slot holds already (prefix_cache.py; the same results)."""
+        whole prefill chunks a free slot holds already (prefix_cache.py; the same results).
+        speculate: guess and check tokens where the model was compiled with speculative decoding
+        (False: decode one token a step anyway)."""
         if chunk_size < 3:
             raise ValueError(f"chunk_size must be at least 3 tokens, got {chunk_size}")
         self.model = model
@@ -123,6 +131,8 @@ class Engine:
         # position of the sequence (as transformers does): a prompt past it prefills in one
         # chunk, and a sequence that grows past it is prefilled again from the start.
         self.long_from = model.model.rotary.long_from
+        config = getattr(model, "speculative", None)
+        self.speculator = Speculator(config) if speculate and config is not None else None
 
     # ---- what callers use -----------------------------------------------------------------------
     def submit(self, request: Request, listener=None) -> Sequence:
@@ -177,19 +187,32 @@ class Engine:
         decoding = [s for s in self.slots if s is not None and s.next_token is not None]
         self._restart_past_long_context(decoding)
         decoding = [s for s in decoding if s.next_token is not None]
-        sampled = self._prefill_step() + self._decode_step(decoding)  # [(sequence, logits [V])]
-        if not sampled:
-            return
-        picked = [(seq, logits, self._guarded(seq, self._sample, seq, logits)) for seq, logits in sampled]
-        picked = [(seq, logits, token) for seq, logits, token in picked if token is not None]
+        # [(sequence, logits [1 + guesses, V], its guesses, whether it fed a token to the cache)]
+        scored_rows = self._prefill_step() + self._decode_step(decoding)
+        picked = [(seq, logits, guesses, fed, self._guarded(seq, self._choose, seq, logits, guesses))
+                  for seq, logits, guesses, fed in scored_rows]
+        picked = [row for row in picked if row[-1] is not None]
         if not picked:
             return
-        tokens = broadcast_from_first(torch.stack([token for _, _, token in picked]), self.model.parallel)  # [n]
+        # Rank 0's choices on every rank, one row per request: how many tokens, then the tokens.
+        width = 1 + max(len(row[2]) for row in picked)
+        chosen = torch.full((len(picked), 1 + width), -1, dtype=torch.long)  # [n, 1 + width]
+        for row, (*_, tokens) in enumerate(picked):
+            chosen[row, 0] = len(tokens)
+            chosen[row, 1:1 + len(tokens)] = torch.tensor(tokens)
+        chosen = broadcast_from_first(chosen, self.model.parallel).tolist()
         now = time.perf_counter()
-        for (seq, logits, _), token in zip(picked, tokens.tolist()):
-            top = seq.request.logprobs
-            logprob = None if top is None else self._guarded(seq, lambda: scored(logits[None], [token], top)[0])
-            self._guarded(seq, self._accept, seq, token, now, logprob)
+        for (seq, logits, guesses, fed, _), (count, *tokens) in zip(picked, chosen):
+            tokens = tokens[:count]
+            if guesses:
+                self.speculator.record(seq.guessing, len(guesses), count - 1)
+            if fed:
+                seq.position += count  # the fed token and the guesses kept are in the cache now
+            for place, token in enumerate(tokens):
+                top = seq.request.logprobs
+                logprob = None if top is None else self._guarded(
+                    seq, lambda: scored(logits[place][None], [token], top)[0])
+                self._guarded(seq, self._accept, seq, token, now, logprob)
 
     def fail_all(self, err: BaseException) -> None:
         """End every request in hand with `err` (the caller's step failed outside any one request)."""
@@ -247,7 +270,7 @@ class Engine:
                     if seq.request.max_tokens == 0:  # scoring the prompt was all it asked for
                         self._finish(seq, LENGTH)
                     else:
-                        done.append((seq, logits))
+                        done.append((seq, logits[None], [], False))
             if budget <= 0:
                 break
         return done
@@ -255,6 +278,9 @@ class Engine:
     def _decode_step(self, decoding) -> list:
         if not decoding:
             return []
+        guesses = {id(seq): self._guesses(seq) for seq in decoding} if self.speculator else {}
+        if any(guesses.values()):
+            return self._verify_step(decoding, guesses)
         tokens, positions = self.model.idle_decode_rows()  # [slots] each
         for seq in decoding:
             tokens[seq.slot], positions[seq.slot] = seq.next_token, seq.position
@@ -264,9 +290,36 @@ class Engine:
             for seq in decoding:
                 self._fail(seq, err)
             return []
+        return [(seq, logits[seq.slot][None], [], True) for seq in decoding]
+
+    def _verify_step(self, decoding, guesses: dict) -> list:
+        """One call of the verify graph: each decoding slot's next token and guesses."""
+        tokens, positions = self.model.idle_rows(self.speculator.config.width)  # [slots, k + 1] each
         for seq in decoding:
-            seq.position += 1
-        return [(seq, logits[seq.slot]) for seq in decoding]
+            fed = [seq.next_token, *guesses[id(seq)]]
+            tokens[seq.slot, :len(fed)] = torch.tensor(fed)
+            positions[seq.slot, :len(fed)] = torch.arange(seq.position, seq.position + len(fed))
+        furthest = max(seq.position + len(guesses[id(seq)]) for seq in decoding)
+        try:
+            logits = self.model.verify_step(tokens, positions, furthest + 1)  # [slots, k + 1, V]
+        except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
+            for seq in decoding:
+                self._fail(seq, err)
+            return []
+        self.speculator.checks += 1
+        return [(seq, logits[seq.slot, :1 + len(guesses[id(seq)])], guesses[id(seq)], True) for seq in decoding]
+
+    def _guesses(self, seq: Sequence) -> list[int]:
+        """What speculation guesses follows `seq`'s next token this step: no more than can be
+        kept (its remaining tokens, the cache, a long-context restart), none under a grammar."""
+        if seq.grammar is not None:
+            return []
+        room = min(seq.request.max_tokens - len(seq.tokens), self.model.max_seq_len - 1 - seq.position) - 1
+        if self.long_from is not None and seq.position < self.long_from:
+            room = min(room, self.long_from - seq.position - 1)  # land on long_from, not past it
+        if room <= 0:
+            return []
+        return self.speculator.guesses(seq.guessing, list(seq.request.prompt) + seq.tokens, room)
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Each prompt token that follows this chunk's positions, scored from their hidden
@@ -279,13 +332,24 @@ class Engine:
             logits = self.model.position_logits(hidden[:rows])  # [rows, V]
             seq.prompt_logprobs += scored(logits, list(prompt[start + 1:start + 1 + rows]), seq.request.prompt_logprobs)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        request = seq.request
-        if request.sampling.adjusts:
-            logits = adjusted(logits, request.sampling, request.prompt, seq.tokens, request.stop_ids)
-        if seq.grammar is not None:
-            logits = seq.grammar.masked(logits)
-        return sample(logits.view(1, -1), request.sampling, seq.generator)[0]
+    def _choose(self, seq: Sequence, logits: torch.Tensor, guesses: list[int]) -> list[int]:
+        """The tokens this step gives `seq` from its logits [1 + len(guesses), V]: each guess the
+        model agrees with (sampling.check_guess), then one token of the model's own choice."""
+        request, output, chosen = seq.request, list(seq.tokens), []
+        for place, row in enumerate(logits):
+            if request.sampling.adjusts:
+                row = adjusted(row, request.sampling, request.prompt, output, request.stop_ids)
+            if place == len(guesses):
+                if seq.grammar is not None:
+                    row = seq.grammar.masked(row)
+                chosen.append(int(sample(row.view(1, -1), request.sampling, seq.generator)[0]))
+                break
+            token, agreed = check_guess(row, request.sampling, seq.generator, guesses[place])
+            chosen.append(token)
+            output.append(token)
+            if not agreed:
+                break
+        return chosen
 
     # ---- a request's own progress ------------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None = None) -> None:

@@ -69,10 +69,9 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, prompt: tuple[int, ..
     return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [B, V] float32 -> next token ids [B] int64."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [B, V] float32 -> the distribution a sampling request draws from ([B, V]): the
+    temperature applied, then top-k and top-p."""
     logits = logits / params.temperature
     if params.top_k is not None:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -84,5 +83,28 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits: [B, V] float32 -> next token ids [B] int64."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)
+
+
+def check_guess(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                guess: int) -> tuple[int, bool]:
+    """The token at a position where `guess` was proposed (logits [V] float32), and whether it is
+    the guess. Greedy: the argmax. Sampling: the guess is kept with probability p(guess) (the
+    rule min(1, p / q) for a guess q proposes with certainty); otherwise a token is drawn from p
+    without the guess, renormalized. Either way the token is distributed as p."""
+    if params.greedy:
+        token = int(logits.argmax())
+        return token, token == guess
+    probs = probabilities(logits[None], params)[0]  # [V]
+    if float(torch.rand((), generator=generator)) < float(probs[guess]):
+        return guess, True
+    rest = probs.clone()
+    rest[guess] = 0
+    return int(torch.multinomial(rest, 1, generator=generator)), False

@@ -247,21 +247,26 @@ class Attention(nn.Module):
         write_cache(self.k_cache, k, positions, slots)
         write_cache(self.v_cache, v, positions, slots)
 
-    def _decode_attention(self, q, k, v, positions, slots):
-        """One new token per row (q [B, H, 1, hd], k/v [B, KVH, 1, hd]) attending over its own live
-        cache entries with qrt.decode_attention (the kernel chosen in allocate_cache replaces it
-        when compiled). A row at the cache's last position is idle (CompiledModel.idle_decode_rows):
-        it attends only to the entry it writes. Returns [B, H, hd]."""
-        bsz = q.shape[0]
-        self._write_cache(k, v, positions, slots)
-        last = positions[:, 0]  # [B]
+    def _in_place_attention(self, q, k, v, positions):
+        """Every cache row's new tokens (q [B, H, T, hd], k/v [B, KVH, T, hd] at positions [B, T],
+        batch row b being cache row b) attending over that row's live cache entries up to each
+        token's own position, with qrt.decode_attention (the kernel chosen in allocate_cache
+        replaces it when compiled). A decode step feeds T = 1; a speculative check feeds the
+        next token and its guesses (T = 1 + k), each attending like the decode step that would
+        have fed it, so both give a token the same attention. A token at the cache's last
+        position is idle (CompiledModel.idle_decode_rows): it attends only to the entry it
+        writes. Returns [B, T, H * hd]."""
+        bsz, _, seq, _ = q.shape
+        self._write_cache(k, v, positions, None)
+        last = positions.reshape(-1)  # [B*T]
         first = torch.zeros_like(last) if self.sliding_window is None else (last - self.sliding_window + 1).clamp(min=0)
         first = torch.where(last == self.k_cache.shape[2] - 1, last, first)
-        slots = torch.arange(bsz, device=q.device) if slots is None else slots
+        slots = torch.arange(bsz, device=q.device).repeat_interleave(seq)  # [B*T]: each token's cache row
         scale_k, scale_v = (self.k_scale, self.v_scale) if self.fp8_cache else (None, None)
-        return torch.ops.qrt.decode_attention(q.reshape(bsz, self.num_heads, self.head_dim), self.k_cache,
-                                              self.v_cache, slots, first, last, self.scale, self.softcap or 0.0,
-                                              scale_k, scale_v)
+        queries = q.transpose(1, 2).reshape(bsz * seq, self.num_heads, self.head_dim)  # [B*T, H, hd]
+        out = torch.ops.qrt.decode_attention(queries, self.k_cache, self.v_cache, slots, first, last, self.scale,
+                                             self.softcap or 0.0, scale_k, scale_v)
+        return out.view(bsz, seq, self.num_heads * self.head_dim)
 
     def forward(self, x, cos, sin, mask, positions, slots):
         """x: [B, T, D]; cos/sin: [B, 1, T, rot]; mask: [B, T, S'] bool (True = may attend) over
@@ -277,8 +282,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if positions is not None and seq == 1:
-            return self.o_proj(self._decode_attention(q, k, v, positions, slots).view(bsz, 1, q_size))
+        if positions is not None and slots is None:  # every cache row at once: decode, or a speculative check
+            return self.o_proj(self._in_place_attention(q, k, v, positions))
         if positions is not None:
             attended = mask.shape[-1]  # S': the cache entries this call attends over
             self._write_cache(k, v, positions, slots)
