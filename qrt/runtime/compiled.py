@@ -396,10 +396,16 @@ class CompiledModel:
             self._guarded = previous
 
     def graph_inputs(self, role: str) -> tuple:
-        """Arguments of the model's forward as the prefill (a 6-token prompt) or decode (slot 0
-        at position 2, the others idle) graph gets them, for tools that trace the model."""
+        """Arguments of the model's forward as the prefill (a 6-token prompt), decode (slot 0
+        at position 2, the others idle) or verify (slot 0 feeding k + 1 tokens from position 2)
+        graph gets them, for tools that trace the model."""
         if role == "prefill":
             return self._prefill_inputs(list(range(3, 9)), 0, 0)
+        if role == "verify":
+            width = self.speculative.width if self.speculative else 2
+            tokens, positions = self.idle_rows(width)
+            tokens[0], positions[0] = torch.arange(3, 3 + width), torch.arange(2, 2 + width)
+            return self._step_inputs(tokens, positions, 2 + width)
         tokens, positions = self._slot0_step(3, 2)
         return self._step_inputs(tokens.view(-1, 1), positions.view(-1, 1), 3)
 

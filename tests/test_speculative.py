@@ -1,0 +1,218 @@
+"""Speculative decoding by prompt lookup: the guesses, the verify graph against the decode graph,
+greedy tokens unchanged at batch 1 and in a churn of requests, sampled tokens distributed as the
+model's own, and one verify graph however many guesses are kept."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from graph_checks import assert_no_graph_breaks, no_recompiles
+from qrt import runtime
+from qrt.runtime.engine import Engine
+from qrt.runtime.sampling import SamplingParams, check_guess, probabilities
+from qrt.runtime.speculative import SpeculativeConfig, prompt_lookup
+from tiny_checkpoints import make_checkpoint
+
+K = 3
+MAX_SEQ_LEN = 640
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny Llama (float32) with three slots, speculating k = 3 tokens by prompt lookup."""
+    folder = tmp_path_factory.mktemp("tiny-llama-long")
+    make_checkpoint(folder, "llama", max_position_embeddings=MAX_SEQ_LEN)
+    return runtime.compile_model(folder, progress=False, max_seq_len=MAX_SEQ_LEN, max_batch_size=3,
+                                 speculative={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
+
+
+def plain_lookup(context, limit, longest, shortest):
+    """prompt_lookup's rule, spelled out: for n from longest down, of the earlier occurrences of
+    the last n tokens (latest first), the first followed by `limit` tokens, else the one followed
+    by the most."""
+    for n in range(min(longest, len(context) - 1), shortest - 1, -1):
+        tail, best = context[-n:], []
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                follows = context[start + n:start + n + limit]
+                if len(follows) == limit:
+                    return follows
+                if len(follows) > len(best):
+                    best = follows
+        if best:
+            return best
+    return []
+
+
+def test_prompt_lookup_matches_a_plain_search():
+    rng = random.Random(0)
+    # Ids whose 4-byte words share bytes (256 = 00 01 00 00, 1 = 01 00 00 00, ...), so that byte
+    # matches across token boundaries occur and must be skipped.
+    alphabet = [0, 1, 256, 65536, 257, 65792, 7]
+    found = 0
+    for _ in range(3000):
+        context = [rng.choice(alphabet[:rng.randint(2, len(alphabet))]) for _ in range(rng.randint(1, 40))]
+        limit, shortest = rng.randint(1, 6), rng.randint(1, 3)
+        longest = rng.randint(shortest, 5)
+        expected = plain_lookup(context, limit, longest, shortest)
+        assert prompt_lookup(context, limit, longest, shortest) == expected, (context, limit, longest, shortest)
+        found += bool(expected)
+    assert found > 1000  # most contexts have something to look up
+
+
+def test_speculative_settings_are_checked():
+    assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse({"method": "ngram"}).width == 4
+    for bad, says in (({"num_speculative_tokens": 3}, "needs a 'method'"),
+                      ({"method": "eagle"}, "not supported"),
+                      ({"method": "ngram", "lookahead": 2}, "unknown setting"),
+                      ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+                      ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "above prompt_lookup_max"),
+                      ("ngram", "must be a dict")):
+        with pytest.raises(ValueError, match=says):
+            SpeculativeConfig.parse(bad)
+
+
+def test_verify_logits_equal_decode_logits(model):
+    """Place t of a verify call scores what a decode step feeding that token scores. This float32
+    model's matmuls are ATen's, whose sums depend on the row count, so to rounding; qrt's own
+    kernels give the same bits at every row count (test_speculative_default_model.py)."""
+    prompt = list(range(20, 60))
+    fed = [7, 11, 13, 17]  # the next token and three guesses
+    logits = model.prefill_chunk(prompt, 0, 1)
+    assert logits.shape == (model.vocab_size,)
+    decoded = []
+    for place, token in enumerate(fed):
+        tokens, positions = model.idle_decode_rows()
+        tokens[1], positions[1] = token, len(prompt) + place
+        decoded.append(model.decode_step(tokens, positions, len(prompt) + place + 1)[1])
+    tokens, positions = model.idle_rows(K + 1)
+    tokens[1], positions[1] = torch.tensor(fed), torch.arange(len(prompt), len(prompt) + K + 1)
+    verified = model.verify_step(tokens, positions, len(prompt) + K + 1)  # [slots, k + 1, V]
+    assert verified.shape == (3, K + 1, model.vocab_size)
+    for place in range(K + 1):
+        torch.testing.assert_close(verified[1, place], decoded[place], rtol=1e-5, atol=1e-5, msg=f"place {place}")
+
+
+def _run(engine, requests, arrivals=None):
+    """Submit requests (at the given steps; default: all at once), step until all are done."""
+    arrivals = arrivals or [0] * len(requests)
+    sequences, step = [None] * len(requests), 0
+    while any(s is None or not s.done for s in sequences):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                sequences[i] = engine.submit(requests[i])
+        engine.step()
+        step += 1
+    for seq in sequences:
+        assert seq.error is None, seq.error
+    return [seq.tokens for seq in sequences]
+
+
+def _looping_prompt(seed: int, length: int) -> list[int]:
+    """A prompt that repeats a short phrase with changes, so that lookups find guesses."""
+    rng = random.Random(seed)
+    phrase = [rng.randrange(3, 300) for _ in range(6)]
+    prompt = []
+    while len(prompt) < length:
+        prompt += [t if rng.random() > 0.15 else rng.randrange(3, 300) for t in phrase]
+    return prompt[:length]
+
+
+def test_greedy_tokens_equal_plain_decoding_at_batch_1(model):
+    prompt = _looping_prompt(1, 40)
+    request = model.request(prompt, 60, SamplingParams(), stop_at_eos=False)
+    speculating = Engine(model)
+    assert _run(speculating, [request]) == _run(Engine(model, speculate=False), [request])
+    spec = speculating.speculator
+    assert spec.checks > 0 and 0 < spec.accepted <= spec.proposed
+
+
+def test_greedy_tokens_equal_plain_decoding_in_a_churn(model):
+    """Five requests over three slots, of different lengths, arriving at different steps, some
+    sampling: each greedy one's tokens are the tokens it gets alone without speculation."""
+    requests = [model.request(_looping_prompt(seed, length), new, sampling, stop_at_eos=False)
+                for seed, length, new, sampling in (
+                    (2, 30, 50, SamplingParams()), (3, 9, 40, SamplingParams(temperature=0.9, seed=5)),
+                    (4, 70, 45, SamplingParams()), (5, 3, 30, SamplingParams()),
+                    (6, 50, 35, SamplingParams(temperature=1.2, top_k=5, seed=2)))]
+    alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
+    speculating = Engine(model)
+    together = _run(speculating, requests, arrivals=[0, 0, 2, 5, 9])
+    for i, request in enumerate(requests):
+        assert len(together[i]) == request.max_tokens
+        if request.sampling.greedy:
+            assert together[i] == alone[i], f"request {i}"
+    assert speculating.speculator.accepted > 0
+
+
+def test_one_verify_graph_however_many_guesses_are_kept(model):
+    requests = [model.request(_looping_prompt(seed, 25), 40, SamplingParams(), stop_at_eos=False) for seed in (7, 8)]
+    engine = Engine(model)
+    with no_recompiles(model):
+        _run(engine, requests, arrivals=[0, 3])
+    spec = engine.speculator
+    assert spec.checks > 1 and 0 < spec.accepted < spec.proposed  # guesses kept and guesses refused
+    assert model.compile_report()["verify"] == 1
+    assert_no_graph_breaks(model, "verify")
+
+
+def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """The p-value of observed counts against expected ones (cells expected below 5 lumped)."""
+    small = expected < 5
+    observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
+
+
+P_VALUE_FLOOR = 1e-3  # a correct sampler fails one run in a thousand; a biased one fails every run
+
+
+def test_a_checked_guess_is_distributed_as_the_model_samples():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, generator=generator) * 1.5
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5),
+                   SamplingParams(temperature=1.3, top_p=0.7)):
+        p = probabilities(logits[None], params)[0]
+        for guess in (int(p.argmax()), int(p.argmin())):  # a likely guess and one never right
+            draws = [check_guess(logits, params, generator, guess) for _ in range(4000)]
+            counts = torch.bincount(torch.tensor([token for token, _ in draws]), minlength=12).double()
+            assert _chi_square_p(counts, p.double() * len(draws)) > P_VALUE_FLOOR, (params, guess)
+            assert all(agreed == (token == guess) for token, agreed in draws)
+
+
+def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(model):
+    """Two sampled tokens (top-3 of a random model), the second always a checked guess: their
+    joint frequencies over seeded draws against p(t1) · p(t2 | t1). The guess after each t1 is
+    the model's most likely t2 (looked up beforehand), so that it is kept often and refused often;
+    a lookup in this random model's text would almost never be right."""
+    prompt = _looping_prompt(9, 40)
+    params = SamplingParams(temperature=1.0, top_k=3)
+
+    def distribution(ids):
+        logits = model(torch.tensor([ids]))[0, -1]  # the full-sequence graph, no cache
+        return probabilities(logits[None], params)[0]
+
+    first = distribution(prompt)
+    following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
+    likeliest = {a: int(p.argmax()) for a, p in following.items()}
+    engine = Engine(model)
+    engine.speculator.guesses = lambda state, context, limit: [likeliest[context[-1]]]
+    draws = 1500
+    # Three tokens, so that the second can be guessed (a guess for the last token saves no step).
+    pairs = [tuple(_run(engine, [model.request(prompt, 3, replace(params, seed=seed), stop_at_eos=False)])[0][:2])
+             for seed in range(draws)]
+    spec = engine.speculator
+    assert spec.checks >= draws  # every second token came from a check (and some third ones)
+    assert draws / 10 < spec.accepted < spec.proposed - draws / 10, spec.accepted  # guesses kept and refused
+
+    cells = [(a, b) for a, p in following.items() for b in p.nonzero().flatten().tolist()]
+    expected = torch.tensor([float(first[a] * following[a][b]) for a, b in cells], dtype=torch.float64)
+    observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
+    assert observed.sum() == draws  # no draw outside the cells the model allows
+    assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR

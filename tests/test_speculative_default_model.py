@@ -1,0 +1,62 @@
+"""Speculative decoding on the default model as users run it (bf16, and its int4 copy): the
+verify call's logits are the decode step's bit for bit, so greedy output cannot change, even at
+near-ties that bf16 rounding would flip; and a request's tokens are the same with speculation
+as without, alone and among others."""
+
+import pytest
+import torch
+
+from bench.speculative import WORKLOADS
+from qrt import runtime
+from qrt.runtime.engine import Engine
+from qrt.runtime.evaluate import DEFAULT_TEXT
+from qrt.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+K, SLOTS, MAX_SEQ_LEN = 3, 3, 1024
+
+
+@pytest.fixture(scope="module", params=[None, "int4"], ids=["bf16", "int4"])
+def model(request):
+    return runtime.compile_model(None, quant=request.param, progress=False, max_batch_size=SLOTS,
+                                 max_seq_len=MAX_SEQ_LEN, speculative={"method": "ngram", "num_speculative_tokens": K})
+
+
+def test_verify_logits_are_the_decode_logits_bit_for_bit(model):
+    words = DEFAULT_TEXT.read_text().split()
+    prompt = model.encode(" ".join(words[:700]))[:500]
+    slot = 2
+    first = int(model.prefill_chunk(prompt, 0, slot).argmax())
+    fed, decoded = [first], []
+    for place in range(K + 1):  # decode greedily, one token a step
+        tokens, positions = model.idle_decode_rows()
+        tokens[slot], positions[slot] = fed[-1], len(prompt) + place
+        decoded.append(model.decode_step(tokens, positions, len(prompt) + place + 1)[slot])
+        fed.append(int(decoded[-1].argmax()))
+    tokens, positions = model.idle_rows(K + 1)
+    tokens[slot], positions[slot] = torch.tensor(fed[:K + 1]), torch.arange(len(prompt), len(prompt) + K + 1)
+    verified = model.verify_step(tokens, positions, len(prompt) + K + 1)[slot]  # [k + 1, V]
+    for place in range(K + 1):
+        assert torch.equal(verified[place], decoded[place]), f"place {place}"
+
+
+def _tokens(engine, requests, arrivals):
+    sequences, step = [None] * len(requests), 0
+    while any(s is None or not s.done for s in sequences):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                sequences[i] = engine.submit(requests[i])
+        engine.step()
+        step += 1
+    return [s.tokens for s in sequences]
+
+
+def test_greedy_answers_are_unchanged_alone_and_in_company(model):
+    requests = [model.request(model.encode_messages([{"role": "user", "content": WORKLOADS[name]}]), 96,
+                              SamplingParams(), stop_at_eos=False) for name in ("passage", "code", "free")]
+    alone = [_tokens(Engine(model, speculate=False), [r], [0])[0] for r in requests]
+    speculating = Engine(model)
+    assert [_tokens(speculating, [r], [0])[0] for r in requests] == alone
+    assert _tokens(speculating, requests, [0, 4, 9]) == alone
+    assert speculating.speculator.accepted > 0
