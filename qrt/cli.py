@@ -63,8 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tensor parallelism over this many ranks, one process each: run under "
                               "`torchrun --nproc-per-node N -m qrt …` (default: 1)")
 
+    def add_speculative_args(sub):
+        sub.add_argument("--speculative", choices=("ngram",), default=None,
+                         help="speculative decoding: ngram guesses the next tokens by looking the last few "
+                              "up earlier in the prompt and output, and checks them in one call (greedy "
+                              "output unchanged; pays where answers repeat their input)")
+        sub.add_argument("--num-speculative-tokens", type=int, default=3, help="guesses checked per step (default: 3)")
+        sub.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest tail looked up (default: 4)")
+        sub.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest (default: 2)")
+
     gen = commands.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
+    add_speculative_args(gen)
     gen.add_argument("--prompt", default=DEMO_PROMPT)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -77,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     add_model_args(srv)
+    add_speculative_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-batch", type=int, default=8, help="KV-cache slots: requests decoded together (default: 8)")
@@ -145,8 +156,16 @@ def _compile(args, path=None, **kwargs):
                                  cache=not args.no_cache, tp=args.tp, **kwargs)
 
 
+def _speculative(args) -> dict | None:
+    """compile_model's `speculative` from the command line's flags (None: off)."""
+    if args.speculative is None:
+        return None
+    return {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+
+
 def _generate(args) -> int:
-    model = _compile(args, compile=not args.eager)
+    model = _compile(args, compile=not args.eager, speculative=_speculative(args))
     chat = not args.no_chat and model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
     if model.parallel.rank != 0:  # every rank decodes the same tokens; rank 0 shows them
         model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -164,6 +183,10 @@ def _generate(args) -> int:
     elapsed = time.perf_counter() - started
     print(text)
     print(f"qrt: {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / elapsed:.1f} tok/s incl. prefill)", file=sys.stderr)
+    speculator = model.engine.speculator
+    if speculator is not None:
+        print(f"qrt: speculative decoding kept {speculator.accepted} of {speculator.proposed} guesses in "
+              f"{speculator.checks} checks", file=sys.stderr)
     return 0
 
 
@@ -179,10 +202,12 @@ def _serve(args) -> int:
     if os.environ.get("RANK", "0") != "0":  # under torchrun with --tp: rank 0 serves, the others follow it
         from qrt.server.lockstep import follow
 
-        model = _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len)
+        model = _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
+                         speculative=_speculative(args))
         return follow(model, chunk_size=chunk_size, prefix_caching=args.prefix_caching)
     name = args.served_model_name or ("default" if args.path is None else Path(args.path).name)
-    return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len),
+    return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
+                                  speculative=_speculative(args)),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
                  max_batch=args.max_batch, prefix_caching=args.prefix_caching)

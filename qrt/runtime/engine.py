@@ -169,6 +169,11 @@ class Engine:
         while not all(seq.done for seq in sequences):
             self.step()
 
+    def speculation_counts(self) -> tuple[int, int, int]:
+        """(Guesses checked, guesses kept, verify calls) so far; zeros without speculation."""
+        spec = self.speculator
+        return (spec.proposed, spec.accepted, spec.checks) if spec is not None else (0, 0, 0)
+
     def live(self) -> list[Sequence]:
         """The requests in hand: in a slot or waiting for one."""
         return [s for s in self.slots if s is not None] + list(self.waiting)

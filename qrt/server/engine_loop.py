@@ -108,6 +108,7 @@ class EngineLoop:
                 dropped = leader.send(engine, added, last=last)
             if engine.has_work:
                 started = time.perf_counter()
+                speculated = engine.speculation_counts()
                 try:
                     engine.step(cancelled=dropped)
                 except Exception as err:  # noqa: BLE001  (a fault outside any one request: end those in hand, go on)
@@ -116,6 +117,7 @@ class EngineLoop:
                 self.metrics.step_seconds.observe(time.perf_counter() - started)
                 self.metrics.prefix_reused_tokens.inc(engine.prefix_cache.reused_tokens - reused)
                 reused = engine.prefix_cache.reused_tokens
+                self.metrics.count_speculation(engine.speculation_counts(), speculated)
             elif last:
                 return
             else:

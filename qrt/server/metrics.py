@@ -25,6 +25,12 @@ class Metrics:
         self.prefix_reused_tokens = Counter(
             "qrt_prefix_cache_reused_tokens", "Prompt tokens not prefilled: whole prefill chunks a free KV-cache "
             "slot held from an earlier request", registry=registry)
+        self.speculative_proposed = Counter(
+            "qrt_speculative_proposed_tokens", "Guessed tokens checked by speculative decoding", registry=registry)
+        self.speculative_accepted = Counter(
+            "qrt_speculative_accepted_tokens", "Guessed tokens kept: the model agreed with them", registry=registry)
+        self.speculative_checks = Counter(
+            "qrt_speculative_checks", "Verify calls: decode steps that checked guesses", registry=registry)
         self.requests = Counter("qrt_requests", "Requests by outcome: stop, length, cancelled, error (inside the "
                                 "engine), rejected (refused before it)", ["outcome"], registry=registry)
 
@@ -32,6 +38,12 @@ class Metrics:
         """Read the queue and slot gauges from the engine loop whenever they are scraped."""
         self.queue_depth.set_function(loop.queue_depth)
         self.active_slots.set_function(loop.active_slots)
+
+    def count_speculation(self, now: tuple[int, int, int], before: tuple[int, int, int]) -> None:
+        """Add what a step's speculation did: (proposed, accepted, checks) now and before it."""
+        for counter, new, old in zip((self.speculative_proposed, self.speculative_accepted, self.speculative_checks),
+                                     now, before):
+            counter.inc(new - old)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
