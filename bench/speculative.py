@@ -1,11 +1,12 @@
 """Decode speed with and without speculative decoding, on prompts whose answer repeats or edits
 what the prompt gives (where prompt lookup pays) and on free text (where it must cost nothing).
 
-    python bench/speculative.py                                   # default model, bf16 and int4
-    python bench/speculative.py --quant bf16 --k 3,5 --runs 3 --new-tokens 160 --json out.json
+    python bench/speculative.py                                   # default model, bf16 and int4, ngram
+    python bench/speculative.py --quant bf16 --methods ngram,draft --draft-quant int4 --k 3,5 --json out.json
     python bench/speculative.py --runs 1 --new-tokens 16 --quant bf16 --workloads code  # smoke
 
-Each model is compiled once with {"method": "ngram", "num_speculative_tokens": k}; the same model
+Each model is compiled once per method and k: {"method": "ngram", "num_speculative_tokens": k},
+or {"method": "draft", "model": the same checkpoint, "quant": --draft-quant, ...}; the same model
 decodes every prompt both ways, through two engines over its one KV cache (one of them with
 speculation off), alternating run by run, so both sides share the process, the weights and the
 hour. Decoding is greedy and stops at the model's end of turn; the two sides must produce the
@@ -93,6 +94,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
     parser.add_argument("--quant", type=name_list(QUANTS), default=["bf16", "int4"])
     parser.add_argument("--k", default="3", help="comma-separated num_speculative_tokens values, one model each")
+    parser.add_argument("--methods", type=name_list(("ngram", "draft")), default=["ngram"])
+    parser.add_argument("--draft-quant", default="int4", help="draft: the quantized copy of the model that drafts")
     parser.add_argument("--workloads", type=name_list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--runs", type=positive_int, default=3)
     parser.add_argument("--new-tokens", type=positive_int, default=160, help="at most this many tokens per answer")
@@ -156,20 +159,23 @@ def main() -> int:
     print_machine_state(state)
     results = []
     for quant in args.quant:
-        for k in (int(text) for text in args.k.split(",")):
-            log(f"compiling {quant}, k = {k} …")
-            model = runtime.compile_model(args.path, quant=QUANTS[quant],
-                                          speculative={"method": "ngram", "num_speculative_tokens": k},
-                                          progress=False)
-            for name in args.workloads:
-                ids = model.encode_messages([{"role": "user", "content": WORKLOADS[name]}])
-                log(f"{quant} k={k} {name}: {len(ids)} prompt tokens")
-                results.append({"quant": quant, "k": k, "workload": name, "prompt_tokens": len(ids),
-                                **measure(model, ids, args.runs, args.new_tokens)})
-            del model
+        for method in args.methods:
+            for k in (int(text) for text in args.k.split(",")):
+                spec = {"method": method, "num_speculative_tokens": k}
+                if method == "draft":
+                    spec |= {"model": args.path, "quant": QUANTS[args.draft_quant]}
+                label = f"{quant} {method if method == 'ngram' else f'{args.draft_quant} draft'} k={k}"
+                log(f"compiling {label} …")
+                model = runtime.compile_model(args.path, quant=QUANTS[quant], speculative=spec, progress=False)
+                for name in args.workloads:
+                    ids = model.encode_messages([{"role": "user", "content": WORKLOADS[name]}])
+                    log(f"{label} {name}: {len(ids)} prompt tokens")
+                    results.append({"quant": quant, "method": method, "label": label, "k": k, "workload": name,
+                                    "prompt_tokens": len(ids), **measure(model, ids, args.runs, args.new_tokens)})
+                del model
     rows = []
     for r in results:
-        rows.append((f"{r['quant']} k={r['k']} {r['workload']}", str(r["prompt_tokens"]),
+        rows.append((f"{r['label']} {r['workload']}", str(r["prompt_tokens"]),
                      f"{statistics.median(r['tokens']):.0f}", fmt_spread(r["plain"]), fmt_spread(r["speculative"]),
                      fmt_ratio(r["ratio"]), fmt_ratio(r["tokens_per_check"]),
                      "—" if r["kept_share"] is None else f"{r['kept_share']:.0%}",

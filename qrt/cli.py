@@ -64,13 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "`torchrun --nproc-per-node N -m qrt …` (default: 1)")
 
     def add_speculative_args(sub):
-        sub.add_argument("--speculative", choices=("ngram",), default=None,
-                         help="speculative decoding: ngram guesses the next tokens by looking the last few "
-                              "up earlier in the prompt and output, and checks them in one call (greedy "
-                              "output unchanged; pays where answers repeat their input)")
+        sub.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                         help="speculative decoding: guess the next tokens and check them in one call (greedy "
+                              "output unchanged). ngram looks the last few tokens up earlier in the prompt and "
+                              "output (pays where answers repeat their input); draft asks a draft model (--draft)")
         sub.add_argument("--num-speculative-tokens", type=int, default=3, help="guesses checked per step (default: 3)")
         sub.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest tail looked up (default: 4)")
         sub.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest (default: 2)")
+        sub.add_argument("--draft", default=None,
+                         help="draft: the draft model's checkpoint, sharing the model's tokenizer (default: the "
+                              "model's own, which then needs --draft-quant)")
+        sub.add_argument("--draft-quant", default=None, help="draft: quantize the draft online (such as int4)")
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
@@ -159,9 +163,15 @@ def _compile(args, path=None, **kwargs):
 def _speculative(args) -> dict | None:
     """compile_model's `speculative` from the command line's flags (None: off)."""
     if args.speculative is None:
+        if args.draft is not None or args.draft_quant is not None:
+            raise ValueError("--draft and --draft-quant need --speculative draft")
         return None
-    return {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative == "ngram":
+        return spec | {"prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    # The model's own checkpoint by default (with a --draft-quant); `default` names the embedded model.
+    draft = _model_path(args.draft) if args.draft is not None else args.path
+    return spec | {"model": None if draft is None else str(draft), "quant": args.draft_quant}
 
 
 def _generate(args) -> int:

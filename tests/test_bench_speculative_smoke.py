@@ -1,5 +1,5 @@
 """bench/speculative.py runs end to end on a tiny random chat Llama: the model compiled with a
-verify graph, each workload decoded with and without speculation, the table and the JSON. Tiny
+verify graph (and an int8 draft), each workload decoded with and without speculation, the table and the JSON. Tiny
 sizes measure nothing; the test checks that the figures are there and that both sides gave the
 same tokens."""
 
@@ -24,13 +24,14 @@ def test_speculative_smoke_run(tmp_path):
     write_tokenizer(checkpoint)
     report_path = tmp_path / "speculative.json"
     result = subprocess.run([sys.executable, "bench/speculative.py", str(checkpoint), "--quant", "bf16", "--k", "2",
-                             "--runs", "1", "--new-tokens", "12", "--workloads", "passage,free",
-                             "--json", str(report_path)],
+                             "--methods", "ngram,draft", "--draft-quant", "int8", "--runs", "1", "--new-tokens", "12",
+                             "--workloads", "passage,free", "--json", str(report_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "speculative tok/s" in result.stdout and "NO" not in result.stdout
     rows = json.loads(report_path.read_text())["results"]
-    assert [(row["workload"], row["k"]) for row in rows] == [("passage", 2), ("free", 2)]
+    assert [(row["method"], row["workload"]) for row in rows] == [
+        ("ngram", "passage"), ("ngram", "free"), ("draft", "passage"), ("draft", "free")]
     for row in rows:
         assert row["same_tokens"] is True
         assert row["plain"]["median"] > 0 and row["speculative"]["median"] > 0

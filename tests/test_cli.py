@@ -62,3 +62,19 @@ def test_inspect_names_a_stored_fp8_format_and_its_kernels(tmp_path, capsys):
         assert "qrt.fp8_block_linear_native_cpu" in out and "fp8_e4m3 [N, K], block scales" in out
     else:
         assert "qrt.fp8_block_linear_cpu" in out and "dequantized with block scales (HF fp8)" in out
+
+
+def test_generate_with_speculation_says_what_it_kept(chat_llama_dir, capsys):
+    args = ["generate", str(chat_llama_dir), "--no-chat", "--prompt", "abcabcabcabcabc", "--max-new-tokens", "24",
+            "--speculative", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "qrt: speculative decoding kept" in captured.err
+    assert main(["generate", str(chat_llama_dir), "--no-chat", "--prompt", "abcabcabcabcabc", "--max-new-tokens",
+                 "24"]) == 0
+    assert capsys.readouterr().out == captured.out  # the same greedy text as without speculation
+
+
+def test_draft_flags_without_a_draft_method_are_refused(chat_llama_dir, capsys):
+    assert main(["generate", str(chat_llama_dir), "--draft-quant", "int4"]) == 2
+    assert "--draft and --draft-quant need --speculative draft" in capsys.readouterr().err

@@ -65,7 +65,9 @@ def test_prompt_lookup_matches_a_plain_search():
 def test_speculative_settings_are_checked():
     assert SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse({"method": "ngram"}).width == 4
+    assert SpeculativeConfig.parse({"model": "/m", "quant": "int4"}).method == "draft"  # vLLM's form
     for bad, says in (({"num_speculative_tokens": 3}, "needs a 'method'"),
+                      ({"method": "ngram", "model": "/m"}, "need method 'draft'"),
                       ({"method": "eagle"}, "not supported"),
                       ({"method": "ngram", "lookahead": 2}, "unknown setting"),
                       ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
@@ -202,7 +204,7 @@ def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(
     following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
     likeliest = {a: int(p.argmax()) for a, p in following.items()}
     engine = Engine(model)
-    engine.speculator.guesses = lambda state, context, limit: [likeliest[context[-1]]]
+    engine.speculator.guess = lambda state, context, limit: [likeliest[context[-1]]]
     draws = 1500
     # Three tokens, so that the second can be guessed (a guess for the last token saves no step).
     pairs = [tuple(_run(engine, [model.request(prompt, 3, replace(params, seed=seed), stop_at_eos=False)])[0][:2])

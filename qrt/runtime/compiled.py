@@ -80,8 +80,10 @@ def compile_model(
     progress; every rank returns the same tokens.
     speculative: speculative decoding for every request of `generate`, `generate_batch` and the
     engine, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2} (vLLM's names; runtime/speculative.py). Greedy output is unchanged;
-    sampled output keeps its distribution.
+    "prompt_lookup_min": 2}, or {"method": "draft", "model": PATH, "quant": "int4",
+    "num_speculative_tokens": 3} (vLLM's names; runtime/speculative.py). A draft is compiled here
+    with this model's slots and cache length, and must share its tokenizer. Greedy output is
+    unchanged; sampled output keeps its distribution.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -130,9 +132,42 @@ def compile_model(
     compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
                              compile=compile, build=build, autotune=autotune, progress=progress,
                              source=Path(path), compile_cache=compile_cache, speculative=speculative)
+    if speculative is not None and speculative.method == "draft":
+        if parallel.sharded:
+            raise ValueError("speculative method 'draft' does not run under tensor parallelism yet; use 'ngram'")
+        compiled.draft = _compile_draft(speculative, compiled, path, quant, compile=compile, warmup=warmup,
+                                        build=build, cache=cache, progress=progress)
     if compile and warmup:
         compiled.warmup()
     return compiled
+
+
+def _compile_draft(spec: SpeculativeConfig, target: "CompiledModel", target_path, target_quant, **kwargs):
+    """The draft model of `spec`, with the target's slots and cache length, checked to share its
+    tokenizer."""
+    if spec.model is None:
+        from .default_model import default_model_path
+
+        draft_path = default_model_path(progress=False)
+    else:
+        draft_path = spec.model
+    if Path(draft_path).resolve() == Path(target_path).resolve() and spec.quant == target_quant:
+        raise ValueError("speculative draft: the draft is the model's own checkpoint with the same quant, so it "
+                         "would be the model again; give it a 'quant' (such as 'int4') or another 'model'")
+    draft = compile_model(draft_path, quant=spec.quant, device=str(target.device), max_seq_len=target.max_seq_len,
+                          max_batch_size=target.max_batch_size, **kwargs)
+    where = f"speculative draft {spec.model or 'default model'}"
+    if draft.max_seq_len < target.max_seq_len:
+        raise ValueError(f"{where}: it holds {draft.max_seq_len} positions, the model {target.max_seq_len}; "
+                         f"pass a smaller max_seq_len")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"{where}: its vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size}; "
+                         f"a draft must share the model's tokenizer")
+    if (draft.tokenizer is not None and target.tokenizer is not None
+            and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()):
+        raise ValueError(f"{where}: its tokenizer maps tokens to other ids than the model's; a draft must share "
+                         f"the model's tokenizer")
+    return draft
 
 
 def _prefill(model, input_ids, positions, keys, slots, logits_at):
@@ -184,6 +219,7 @@ class CompiledModel:
         self.build = build
         self.compile_cache = compile_cache
         self.speculative = speculative
+        self.draft: CompiledModel | None = None  # the draft model of speculative method "draft"
         self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
         self._engine: Engine | None = None
         # What each KV-cache slot holds for prompts that start the same (prefix_cache.py): kept

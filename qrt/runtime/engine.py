@@ -29,6 +29,7 @@ import torch
 from .distributed import broadcast_from_first
 from .logprobs import TokenLogprob, scored
 from .sampling import SamplingParams, adjusted, check_guess, sample
+from .draft_speculation import DraftSpeculator
 from .speculative import GuessState, Speculator
 from .structured import GrammarState, GrammarTokenizer
 from .text_stream import TextStream
@@ -132,7 +133,9 @@ class Engine:
         # chunk, and a sequence that grows past it is prefilled again from the start.
         self.long_from = model.model.rotary.long_from
         config = getattr(model, "speculative", None)
-        self.speculator = Speculator(config) if speculate and config is not None else None
+        self.speculator = None
+        if speculate and config is not None:
+            self.speculator = DraftSpeculator(config, model.draft) if config.method == "draft" else Speculator(config)
 
     # ---- what callers use -----------------------------------------------------------------------
     def submit(self, request: Request, listener=None) -> Sequence:
@@ -210,7 +213,7 @@ class Engine:
         for (seq, logits, guesses, fed, _), (count, *tokens) in zip(picked, chosen):
             tokens = tokens[:count]
             if guesses:
-                self.speculator.record(seq.guessing, len(guesses), count - 1)
+                self.speculator.record(seq, len(guesses), count - 1)
             if fed:
                 seq.position += count  # the fed token and the guesses kept are in the cache now
             for place, token in enumerate(tokens):
@@ -269,6 +272,10 @@ class Engine:
                 if seq.done:  # the chunk or its scoring failed, which ended the request
                     break
                 self.prefix_cache.extend(seq.slot, start, seq.feed[start:end], self.chunk_size)
+                if self.speculator is not None:
+                    self._guarded(seq, self.speculator.prefilled, seq, seq.feed[start:end], start)
+                    if seq.done:  # a draft model's prefill failed
+                        break
                 logits = out[0] if scoring else out
                 seq.position = end
                 if not seq.chunks:
@@ -283,7 +290,11 @@ class Engine:
     def _decode_step(self, decoding) -> list:
         if not decoding:
             return []
-        guesses = {id(seq): self._guesses(seq) for seq in decoding} if self.speculator else {}
+        guesses = {}
+        if self.speculator is not None:
+            rows = [(seq, list(seq.request.prompt) + seq.tokens, room) for seq in decoding
+                    if (room := self._guess_room(seq)) > 0]
+            guesses = self.speculator.guesses(rows)
         if any(guesses.values()):
             return self._verify_step(decoding, guesses)
         tokens, positions = self.model.idle_decode_rows()  # [slots] each
@@ -301,10 +312,10 @@ class Engine:
         """One call of the verify graph: each decoding slot's next token and guesses."""
         tokens, positions = self.model.idle_rows(self.speculator.config.width)  # [slots, k + 1] each
         for seq in decoding:
-            fed = [seq.next_token, *guesses[id(seq)]]
+            fed = [seq.next_token, *guesses.get(id(seq), [])]
             tokens[seq.slot, :len(fed)] = torch.tensor(fed)
             positions[seq.slot, :len(fed)] = torch.arange(seq.position, seq.position + len(fed))
-        furthest = max(seq.position + len(guesses[id(seq)]) for seq in decoding)
+        furthest = max(seq.position + len(guesses.get(id(seq), [])) for seq in decoding)
         try:
             logits = self.model.verify_step(tokens, positions, furthest + 1)  # [slots, k + 1, V]
         except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
@@ -312,19 +323,18 @@ class Engine:
                 self._fail(seq, err)
             return []
         self.speculator.checks += 1
-        return [(seq, logits[seq.slot, :1 + len(guesses[id(seq)])], guesses[id(seq)], True) for seq in decoding]
+        return [(seq, logits[seq.slot, :1 + len(guesses.get(id(seq), []))], guesses.get(id(seq), []), True)
+                for seq in decoding]
 
-    def _guesses(self, seq: Sequence) -> list[int]:
-        """What speculation guesses follows `seq`'s next token this step: no more than can be
-        kept (its remaining tokens, the cache, a long-context restart), none under a grammar."""
+    def _guess_room(self, seq: Sequence) -> int:
+        """How many guesses of what follows `seq`'s next token this step could be kept: its
+        remaining tokens, the cache and a long-context restart bound it; none under a grammar."""
         if seq.grammar is not None:
-            return []
+            return 0
         room = min(seq.request.max_tokens - len(seq.tokens), self.model.max_seq_len - 1 - seq.position) - 1
         if self.long_from is not None and seq.position < self.long_from:
             room = min(room, self.long_from - seq.position - 1)  # land on long_from, not past it
-        if room <= 0:
-            return []
-        return self.speculator.guesses(seq.guessing, list(seq.request.prompt) + seq.tokens, room)
+        return room
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Each prompt token that follows this chunk's positions, scored from their hidden

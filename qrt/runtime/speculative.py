@@ -12,13 +12,15 @@ would have given.
 The guesses come from prompt lookup ("ngram"): the request's last few tokens are looked for
 earlier in its prompt and output, and the tokens that followed there are the guess. It costs
 nothing to run and pays where the output repeats its input: edits of a given passage or code,
-extraction, quoting. Names and defaults follow vLLM's `speculative_config`.
+extraction, quoting. Or from a draft model ("draft", draft_speculation.py): a smaller or more
+quantized model with the same tokenizer decodes the guesses. Names and defaults follow vLLM's
+`speculative_config`.
 """
 
 from array import array
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 # After the second check in a row in which a request's guesses all failed, it does not guess for
 # 2 steps, after the third 4, and so on (up to this many), so that free text, where lookups keep
 # finding a stale match, runs at about the plain decode step's speed. One miss alone does not
@@ -32,10 +34,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # k: guesses checked per step; the verify graph feeds k + 1 tokens
     prompt_lookup_max: int = 4  # the longest tail looked up (ngram)
     prompt_lookup_min: int = 2  # the shortest
+    model: str | None = None  # draft: the draft's checkpoint (folder, .gguf; None: the default model)
+    quant: str | None = None  # draft: quantize the draft online ("int4" …); a draft of the model's
+    # own checkpoint needs one, or it would be the model again
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {list(METHODS)}")
+        if self.method != "draft" and (self.model is not None or self.quant is not None):
+            raise ValueError("speculative 'model' and 'quant' are the draft's: they need method 'draft'")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -59,6 +66,8 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative: unknown setting(s) {unknown}; the settings are {sorted(known)}")
+        if "method" not in spec and "model" in spec:
+            spec = {**spec, "method": "draft"}  # vLLM's form: a draft named by its model alone
         if "method" not in spec:
             raise ValueError(f"speculative needs a 'method', one of {list(METHODS)}")
         return cls(**spec)
@@ -99,9 +108,12 @@ def prompt_lookup(context: list[int], limit: int, longest: int, shortest: int) -
 
 @dataclass
 class GuessState:
-    """One request's record of how its guesses fare, for backing off where they fail."""
+    """One request's record of how its guesses fare (for backing off where they fail), and of
+    what a draft model's cache holds of it."""
     misses: int = 0  # checks in a row whose guesses all failed
     resting: int = 0  # steps left without guessing
+    draft_position: int = 0  # a draft model's cache holds this request's first this many tokens
+    draft_fed: int = 0  # the draft fed this step's context up to here before its guesses
 
     def next_guesses(self) -> bool:
         if self.resting:
@@ -121,7 +133,9 @@ class GuessState:
 
 
 class Speculator:
-    """Makes each decoding request's guesses for a step, and counts how they fare."""
+    """Makes the decoding requests' guesses for a step, and counts how they fare. This one
+    looks them up in each request's own tokens (prompt lookup); draft_speculation.py asks a
+    smaller model."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -129,16 +143,24 @@ class Speculator:
         self.accepted = 0  # of those, kept
         self.checks = 0  # verify calls
 
-    def guesses(self, state: GuessState, context: list[int], limit: int) -> list[int]:
-        """At most `limit` (and k) guesses of what follows `context` (the prompt and output so far,
-        ending with the token the step feeds)."""
-        if not state.next_guesses():
-            return []
+    def guesses(self, rows) -> dict[int, list[int]]:
+        """rows: (sequence, its context, at most how many guesses) for each decoding request,
+        the context being its prompt and output so far, ending with the token this step feeds
+        (at position len(context) - 1). Returns each sequence's guesses by id(sequence)."""
+        return {id(seq): self.guess(seq.guessing, context, limit) if seq.guessing.next_guesses() else []
+                for seq, context, limit in rows}
+
+    def guess(self, state: GuessState, context: list[int], limit: int) -> list[int]:
+        """At most `limit` (and k) guesses of what follows one request's `context`."""
         config = self.config
         return prompt_lookup(context, min(limit, config.num_speculative_tokens), config.prompt_lookup_max,
                              config.prompt_lookup_min)
 
-    def record(self, state: GuessState, guessed: int, accepted: int) -> None:
-        state.checked(guessed, accepted)
+    def prefilled(self, seq, tokens: list[int], start: int) -> None:
+        """The engine prefilled `tokens` of `seq` from position `start` (a draft model follows)."""
+
+    def record(self, seq, guessed: int, accepted: int) -> None:
+        """A check of `guessed` guesses of `seq` kept the first `accepted`."""
+        seq.guessing.checked(guessed, accepted)
         self.proposed += guessed
         self.accepted += accepted
