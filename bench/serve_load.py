@@ -24,6 +24,12 @@ system prompt), and with --compare-prefix-caching the levels run again on a serv
 --no-prefix-caching: the two rows of each level show what prefix caching saves, and the report
 gives the prompt tokens the server did not prefill (`qrt_prefix_cache_reused_tokens`).
 
+With --speculative ngram the qrt server decodes with speculation (prompt lookup, --num-speculative-
+tokens guesses), and with --compare-speculative the levels run again on a server without it; the
+report gives the guesses checked and kept. --grounded makes every prompt a passage followed by its
+own beginning, which the model goes on copying: the case prompt lookup is for. A step that keeps
+guesses sends several chunks at once, so ITL counts the gaps a client sees, zeros included.
+
 When llama-cpp-python's server is importable (`pip install 'llama-cpp-python[server]'`, see
 `make llama-cpp`), the same levels run against `python -m llama_cpp.server` on the default model's
 GGUF in the same precision (with --interrupt_requests False: its default ends a running request
@@ -70,6 +76,12 @@ def parse_args(argv=None):
                         help="tokens of text every prompt starts with, before its own (default: 0)")
     parser.add_argument("--compare-prefix-caching", action="store_true",
                         help="run the levels again on a server with --no-prefix-caching")
+    parser.add_argument("--speculative", choices=("ngram",), default=None, help="qrt serve --speculative")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--compare-speculative", action="store_true",
+                        help="run the levels again on a qrt server without speculation")
+    parser.add_argument("--grounded", action="store_true",
+                        help="prompts that a completion goes on copying: a passage, then its beginning again")
     parser.add_argument("--max-batch", type=int, default=8, help="the server's slots (default: 8, as qrt serve)")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--soak", type=float, default=300, help="soak seconds, 0 to skip (default: 300)")
@@ -134,26 +146,28 @@ class ServerProcess:
         self.stop()
 
 
-def prompts(lengths: list[int], seed: int, shared_prefix: int = 0):
+def prompts(lengths: list[int], seed: int, shared_prefix: int = 0, grounded: bool = False):
     """Endless prompts from the eval text, each of a length drawn from `lengths` (in tokens,
     approximately), starting at a random place, after the text's first `shared_prefix` tokens
-    (the same for every prompt)."""
+    (the same for every prompt). grounded: each passage is followed by a blank line and its own
+    first quarter, so that the completion goes on copying it."""
     text = EVAL_TEXT.read_text(encoding="utf-8")
     prefix = text[:shared_prefix * CHARS_PER_TOKEN]
     rng = random.Random(seed)
     while True:
         size = rng.choice(lengths) * CHARS_PER_TOKEN
         start = rng.randrange(len(prefix), len(text) - size)
-        yield prefix + text[start:start + size]
+        passage = text[start:start + size]
+        yield prefix + (f"{passage}\n\n{passage[:size // 4]}" if grounded else passage)
 
 
 class Client:
     """One client: requests back to back until `stop_at`. Records each request's outcome."""
 
     def __init__(self, url: str, model: str, lengths, max_tokens: int, seed: int, stop_at: float,
-                 cancel_rate: float = 0.0, shared_prefix: int = 0):
+                 cancel_rate: float = 0.0, shared_prefix: int = 0, grounded: bool = False):
         self.url, self.model, self.max_tokens, self.stop_at = url, model, max_tokens, stop_at
-        self.prompts = prompts(lengths, seed, shared_prefix)
+        self.prompts = prompts(lengths, seed, shared_prefix, grounded)
         self.rng = random.Random(seed + 1)
         self.cancel_rate = cancel_rate
         self.records: list[dict] = []
@@ -226,7 +240,7 @@ class Client:
 def run_clients(url: str, model: str, count: int, seconds: float, args, seed: int, cancel_rate: float = 0.0):
     start = time.monotonic()
     clients = [Client(url, model, args.lengths, args.max_tokens, seed + 7919 * i, start + seconds, cancel_rate,
-                      args.shared_prefix) for i in range(count)]
+                      args.shared_prefix, args.grounded) for i in range(count)]
     for client in clients:
         client.thread.start()
     for client in clients:
@@ -296,7 +310,7 @@ def soak(url: str, model: str, args) -> dict:
             "slots": after["qrt_slots"]}
 
 
-def qrt_server(args, log_dir: Path, prefix_caching: bool = True) -> tuple[ServerProcess, str]:
+def qrt_server(args, log_dir: Path, prefix_caching: bool = True, speculative: bool = True) -> tuple[ServerProcess, str]:
     port = free_port()
     command = [sys.executable, "-m", "qrt", "--threads", str(args.threads), "serve", *([args.model] if args.model else []),
                "--port", str(port), "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
@@ -305,7 +319,10 @@ def qrt_server(args, log_dir: Path, prefix_caching: bool = True) -> tuple[Server
         command += ["--quant", args.quant]
     if not prefix_caching:
         command += ["--no-prefix-caching"]
-    log = "qrt-serve.log" if prefix_caching else "qrt-serve-no-prefix-caching.log"
+    if args.speculative and speculative:
+        command += ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    log = "qrt-serve.log" if prefix_caching and speculative else \
+        f"qrt-serve-no-{'prefix-caching' if not prefix_caching else 'speculation'}.log"
     return ServerProcess(command, port, "/health", log_dir / log), "bench"
 
 
@@ -354,6 +371,9 @@ def print_report(report: dict) -> None:
     if report.get("prompt_tokens"):
         print(f"prefix caching: {report['prefix_cache_reused_tokens']:.0f} of {report['prompt_tokens']:.0f} prompt "
               f"tokens sent to qrt were not prefilled (whole chunks a free slot held)")
+    if report.get("speculative_proposed"):
+        print(f"speculative decoding: {report['speculative_accepted']:.0f} of {report['speculative_proposed']:.0f} "
+              f"guesses kept")
     for note in report["notes"]:
         print(f"note: {note}")
 
@@ -392,6 +412,8 @@ def main(argv=None) -> int:
         served = metrics(server.url)
         report["prompt_tokens"] = served.get("qrt_prompt_tokens_total", 0.0)
         report["prefix_cache_reused_tokens"] = served.get("qrt_prefix_cache_reused_tokens_total", 0.0)
+        report["speculative_proposed"] = served.get("qrt_speculative_proposed_tokens_total", 0.0)
+        report["speculative_accepted"] = served.get("qrt_speculative_accepted_tokens_total", 0.0)
         if args.soak > 0:
             report["soak"] = soak(server.url, name, args)
     report["qrt_exit_code_after_sigterm"] = server.process.returncode
@@ -400,6 +422,11 @@ def main(argv=None) -> int:
         with uncached:
             uncached.wait_ready()
             report["levels"] += load_levels(uncached.url, name, args, "qrt, no prefix caching")
+    if args.compare_speculative:
+        plain, name = qrt_server(args, log_dir, speculative=False)
+        with plain:
+            plain.wait_ready()
+            report["levels"] += load_levels(plain.url, name, args, "qrt, no speculation")
     if args.no_peer:
         report["notes"].append("llama.cpp skipped (--no-peer)")
     elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
