@@ -39,6 +39,10 @@ def test_verify_logits_are_the_decode_logits_bit_for_bit(model):
     verified = model.verify_step(tokens, positions, len(prompt) + K + 1)[slot]  # [k + 1, V]
     for place in range(K + 1):
         assert torch.equal(verified[place], decoded[place]), f"place {place}"
+    # The graphs of one slot alone give the same bits, so the engine may use them.
+    assert model.one_slot_exact
+    assert torch.equal(model.verify_slot(slot, tokens[slot], positions[slot], len(prompt) + K + 1), verified)
+    assert torch.equal(model.decode_slot(slot, fed[0], len(prompt)), decoded[0])
 
 
 def _tokens(engine, requests, arrivals):

@@ -182,7 +182,14 @@ def _verify(model, input_ids, positions, keys):
     return model(input_ids, positions, keys)
 
 
-_STEP_INPUTS = ("input_ids", "positions", "keys")  # _decode's and _verify's tensors, by name
+def _one_slot(model, input_ids, positions, keys, slots):
+    return model(input_ids, positions, keys, slots)
+
+
+# The tensors of each step graph, by name, in the order they are passed.
+_STEP_INPUTS = {"decode": ("input_ids", "positions", "keys"), "verify": ("input_ids", "positions", "keys"),
+                "decode_slot": ("input_ids", "positions", "keys", "slots"),
+                "verify_slot": ("input_ids", "positions", "keys", "slots")}
 
 
 def _forward(model, input_ids):
@@ -220,6 +227,11 @@ class CompiledModel:
         self.compile_cache = compile_cache
         self.speculative = speculative
         self.draft: CompiledModel | None = None  # the draft model of speculative method "draft"
+        # Whether the graphs of one slot alone give the same bits as that slot's row of the graphs
+        # of every slot (warmup checks it): then the engine may run one decoding request through
+        # them without changing its tokens. True with qrt's CPU kernels, whose rows do not depend
+        # on how many rows a call has; ATen's float32 matmuls, for one, sum in another order.
+        self.one_slot_exact = False
         self.cache_hit: bool | None = None  # after warmup: whether the graphs came from qrt's cache
         self._engine: Engine | None = None
         # What each KV-cache slot holds for prompts that start the same (prefix_cache.py): kept
@@ -230,7 +242,7 @@ class CompiledModel:
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
         # dynamic in length, where autotuning would pick for one length.
         self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode")
-                         for role in ("prefill", "decode", "verify", "forward")}
+                         for role in ("prefill", "decode", "decode_slot", "verify", "verify_slot", "forward")}
         # Dynamo decides while tracing whether parameters become constants (Inductor freezing),
         # so the flag must be on around every call that may trace, not only inside the backend.
         self._trace_config = {"freezing": True} if freeze and compile else {}
@@ -240,7 +252,8 @@ class CompiledModel:
         # them off for a while.
         self.direct: dict[str, DirectGraph] = {}
         self._guarded = False
-        fns = {"prefill": _prefill, "decode": _decode, "verify": _verify, "forward": _forward}
+        fns = {"prefill": _prefill, "decode": _decode, "decode_slot": _one_slot, "verify": _verify,
+               "verify_slot": _one_slot, "forward": _forward}
         if compile:
             number = next(_model_numbers)
             self._fns = {
@@ -383,6 +396,15 @@ class CompiledModel:
         `attended` cache entries (the furthest row's position + 1). float32 logits [slots, V]."""
         return self._step("decode", tokens.view(-1, 1), positions.view(-1, 1), attended)[:, 0]
 
+    def decode_slot(self, slot: int, token: int, position: int) -> torch.Tensor:
+        """decode_step for one cache slot alone: its token at `position` -> float32 logits [V], the
+        same bits as that slot's row of decode_step. Where one request decodes among many slots,
+        this feeds one row through the matmuls instead of one per slot."""
+        tokens = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
+        positions = torch.tensor([[position]], dtype=torch.long)
+        slots = torch.tensor([[slot]], dtype=torch.long)
+        return self._step("decode_slot", tokens, positions, position + 1, slots)[0, 0]
+
     def verify_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
         """A speculative check: tokens, positions [slots, k + 1], each slot's next token and its
         guesses at consecutive positions (unused places: token 0 at the cache's last position,
@@ -392,20 +414,32 @@ class CompiledModel:
             raise ValueError("verify_step needs a model compiled with speculative=…")
         return self._step("verify", tokens, positions, attended)
 
+    def verify_slot(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
+        """verify_step for one cache slot alone: tokens, positions [k + 1] -> logits [k + 1, V]
+        (the same as verify_step's row of that slot). Where one request decodes among many slots,
+        this feeds k + 1 rows through the matmuls instead of slots × (k + 1)."""
+        if self.speculative is None:
+            raise ValueError("verify_slot needs a model compiled with speculative=…")
+        slots = torch.full((1, len(tokens)), slot, dtype=torch.long)  # [1, k + 1]: every place in the slot's row
+        return self._step("verify_slot", tokens.view(1, -1), positions.view(1, -1), attended, slots)[0]
+
     @property
     def direct_decode(self) -> DirectGraph | None:
         """The decode graph as called without Dynamo (None until it is compiled)."""
         return self.direct.get("decode")
 
-    def _step(self, role: str, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
-        """Run the decode or verify graph on tokens, positions [slots, W]: logits [slots, W, V]."""
-        for slot, position in enumerate(positions[:, 0].tolist()):
+    def _step(self, role: str, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
+              slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a step graph on tokens, positions [R, W] (R: every slot, or the rows of `slots`
+        [R, W]): logits [R, W, V]."""
+        rows = range(len(tokens)) if slots is None else slots[:, 0].tolist()
+        for slot, position in zip(rows, positions[:, 0].tolist()):
             self.prefix_cache.overwritten(slot, position)
         direct = self.direct.get(role)
         if direct is not None and not self._guarded:
-            inputs = self._step_tensors(tokens, positions, attended)
-            return direct(dict(zip(_STEP_INPUTS, inputs)), len(inputs[2]))[0]
-        inputs = self._step_inputs(tokens, positions, attended)
+            inputs = self._step_tensors(tokens, positions, attended, slots)
+            return direct(dict(zip(_STEP_INPUTS[role], inputs)), len(inputs[2]))[0]
+        inputs = self._step_inputs(tokens, positions, attended, slots)
         graphs_before = len(self.backends[role].log.graphs)
         logits = self._run(role, *inputs)
         if len(self.backends[role].log.graphs) > graphs_before:  # this call compiled it
@@ -415,7 +449,7 @@ class CompiledModel:
     def _capture_direct(self, role: str, inputs: tuple) -> None:
         """After a call that compiled `role`'s graph: keep it, to be called without Dynamo."""
         state = [*self.model.parameters(), *self.model.buffers()]
-        direct = DirectGraph.capture(self.backends[role].last_compiled, dict(zip(_STEP_INPUTS, inputs)), state,
+        direct = DirectGraph.capture(self.backends[role].last_compiled, dict(zip(_STEP_INPUTS[role], inputs)), state,
                                      dynamic=("keys", 0), size_range=(2, self.max_seq_len - 1), role=role)
         if direct is not None:
             self.direct[role] = direct
@@ -468,16 +502,19 @@ class CompiledModel:
         index = torch.tensor([logits_at], dtype=torch.long, device=self.device)  # [1]
         return ids, positions, keys, slots, index
 
-    def _step_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
-        """The decode or verify graph's inputs (_STEP_INPUTS): ids, positions [slots, W] and keys [S']."""
+    def _step_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
+                      slots: torch.Tensor | None = None) -> tuple:
+        """A step graph's inputs (_STEP_INPUTS): ids, positions [R, W], keys [S'] (and slots [R, W])."""
         # At least 2 keys, because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
         keys = torch.arange(max(attended, 2), dtype=torch.long, device=self.device)  # [S']
-        return tokens.to(self.device), positions.to(self.device), keys
+        inputs = tokens.to(self.device), positions.to(self.device), keys
+        return inputs if slots is None else (*inputs, slots.to(self.device))
 
-    def _step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> tuple:
+    def _step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
+                     slots: torch.Tensor | None = None) -> tuple:
         """_step_tensors, for a call through Dynamo: the attended length grows every step, and a
         dynamic dim keeps it one graph."""
-        inputs = self._step_tensors(tokens, positions, attended)
+        inputs = self._step_tensors(tokens, positions, attended, slots)
         torch._dynamo.mark_dynamic(inputs[2], 0, min=2, max=self.max_seq_len - 1)
         return inputs
 
@@ -517,8 +554,8 @@ class CompiledModel:
             return self._fns[role](self.model, *args)
 
     def warmup(self) -> None:
-        """Compile prefill and decode (and verify, with speculative decoding) now, or load them
-        from qrt's compile cache, saying which and how long it took."""
+        """Compile the step graphs (`_roles`) now, or load them from qrt's compile cache, saying
+        which and how long it took."""
         entry = self._load_cached_graphs()
         self.cache_hit = entry is not None
         if entry is not None:
@@ -530,7 +567,7 @@ class CompiledModel:
         # A fresh record of cache artifacts, so that the entry holds this model's graphs only
         # (torch versions without it record the whole process's, which is safe, only larger).
         with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
-            for role in ("prefill", "decode") + (("verify",) if self.speculative else ()):
+            for role in self._roles():
                 role_started = time.perf_counter()
                 if entry is None:
                     self._say(f"qrt: compiling {role} …")
@@ -538,11 +575,36 @@ class CompiledModel:
                 self.compile_seconds[role] = time.perf_counter() - role_started
                 if entry is None:
                     self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
+            if self.max_batch_size > 1:
+                self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
             if entry is not None:
                 self._say(f"qrt: loaded compiled graphs from cache in {total:.1f} s")
             elif self.compile_cache is not None:
                 self._store_compiled_graphs(total)
+
+    def _one_slot_matches(self) -> bool:
+        """Whether decode_slot (and verify_slot) give slot 0 the bits that the graphs of every
+        slot give it, on one step of filler tokens (written where the engine rewrites them)."""
+        tokens, positions = self._slot0_step(7, 2)
+        alone_matches = torch.equal(self.decode_step(tokens, positions, 3)[0], self.decode_slot(0, 7, 2))
+        if not alone_matches or not self.speculative:
+            return alone_matches
+        tokens, positions = self.idle_rows(self.speculative.width)
+        tokens[0] = torch.arange(7, 7 + self.speculative.width)
+        positions[0] = torch.arange(2, 2 + self.speculative.width)
+        attended = 2 + self.speculative.width
+        return torch.equal(self.verify_step(tokens, positions, attended)[0],
+                           self.verify_slot(0, tokens[0], positions[0], attended))
+
+    def _roles(self) -> tuple[str, ...]:
+        """The graphs warmup compiles: prefill and decode; with several slots, decode of one slot
+        alone; with speculative decoding, the verify graphs."""
+        one_slot = self.max_batch_size > 1
+        roles = ("prefill", "decode") + (("decode_slot",) if one_slot else ())
+        if self.speculative:
+            roles += ("verify",) + (("verify_slot",) if one_slot else ())
+        return roles
 
     def _warm(self, role: str) -> None:
         """Trace `role` on filler tokens in slot 0 (the engine rewrites whatever they leave in
@@ -552,10 +614,15 @@ class CompiledModel:
             self.prefill_chunk([0, 0], 1, 0)
         elif role == "decode":
             self._decode(torch.zeros(1, 1, dtype=torch.long), 2)
+        elif role == "decode_slot":
+            self.decode_slot(0, 0, 2)
         else:
             tokens, positions = self.idle_rows(self.speculative.width)
             positions[0] = torch.arange(2, 2 + self.speculative.width)
-            self.verify_step(tokens, positions, 2 + self.speculative.width)
+            if role == "verify":
+                self.verify_step(tokens, positions, 2 + self.speculative.width)
+            else:
+                self.verify_slot(0, tokens[0], positions[0], 2 + self.speculative.width)
 
     def _say(self, line: str) -> None:
         if self.progress:
@@ -634,5 +701,7 @@ class CompiledModel:
         return ids.long()
 
     def compile_report(self) -> dict:
-        """Per role: how many graphs Dynamo produced (1 = no graph breaks, no recompiles)."""
-        return {role: len(backend.log.graphs) for role, backend in self.backends.items()}
+        """Per role: how many graphs Dynamo produced (1 = no graph breaks, no recompiles); the
+        one-slot and verify graphs only where they were compiled."""
+        return {role: len(backend.log.graphs) for role, backend in self.backends.items()
+                if role in ("prefill", "decode", "forward") or backend.log.graphs}

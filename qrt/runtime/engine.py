@@ -4,7 +4,8 @@ The KV cache holds `max_batch_size` slots, each with positions of its own. Every
   1. prefill chunks of newly admitted requests (each chunk its own call of the prefill graph,
      at most `chunk_size` tokens in all, so a long prompt stalls running streams by one chunk);
   2. one call of the decode graph over every slot (B = slots, idle slots masked), for the
-     requests that were decoding when the step began; with speculative decoding, where some
+     requests that were decoding when the step began (where only one is, and the kernels allow,
+     the graph of its slot alone: the same bits for less work); with speculative decoding, where some
      request has guesses for its next tokens, one call of the verify graph instead, which feeds
      each slot its next token and guesses (speculative.py);
 then samples each request's next token with its own parameters (or, after a check, keeps the
@@ -297,6 +298,8 @@ class Engine:
             guesses = self.speculator.guesses(rows)
         if any(guesses.values()):
             return self._verify_step(decoding, guesses)
+        if len(decoding) == 1 and self.model.one_slot_exact:
+            return self._decode_slot(decoding[0])
         tokens, positions = self.model.idle_decode_rows()  # [slots] each
         for seq in decoding:
             tokens[seq.slot], positions[seq.slot] = seq.next_token, seq.position
@@ -308,8 +311,20 @@ class Engine:
             return []
         return [(seq, logits[seq.slot][None], [], True) for seq in decoding]
 
+    def _decode_slot(self, seq: Sequence) -> list:
+        """The decode step of the one decoding request, through the graph of one slot's row: its
+        logits are the same bits as in the graph of every slot, for less work."""
+        try:
+            logits = self.model.decode_slot(seq.slot, seq.next_token, seq.position)  # [V]
+        except Exception as err:  # noqa: BLE001  (a failed step fails its request, not the engine)
+            self._fail(seq, err)
+            return []
+        return [(seq, logits[None], [], True)]
+
     def _verify_step(self, decoding, guesses: dict) -> list:
         """One call of the verify graph: each decoding slot's next token and guesses."""
+        if len(decoding) == 1 and self.model.one_slot_exact:
+            return self._verify_slot(decoding[0], guesses[id(decoding[0])])
         tokens, positions = self.model.idle_rows(self.speculator.config.width)  # [slots, k + 1] each
         for seq in decoding:
             fed = [seq.next_token, *guesses.get(id(seq), [])]
@@ -325,6 +340,21 @@ class Engine:
         self.speculator.checks += 1
         return [(seq, logits[seq.slot, :1 + len(guesses.get(id(seq), []))], guesses.get(id(seq), []), True)
                 for seq in decoding]
+
+    def _verify_slot(self, seq: Sequence, guesses: list[int]) -> list:
+        """The check of the one decoding request, through the graph of one slot's rows."""
+        tokens, positions = self.model.idle_rows(self.speculator.config.width)
+        tokens, positions = tokens[0], positions[0]  # [k + 1] each
+        fed = [seq.next_token, *guesses]
+        tokens[:len(fed)] = torch.tensor(fed)
+        positions[:len(fed)] = torch.arange(seq.position, seq.position + len(fed))
+        try:
+            logits = self.model.verify_slot(seq.slot, tokens, positions, seq.position + len(fed))  # [k + 1, V]
+        except Exception as err:  # noqa: BLE001  (a failed step fails its request, not the engine)
+            self._fail(seq, err)
+            return []
+        self.speculator.checks += 1
+        return [(seq, logits[:len(fed)], guesses, True)]
 
     def _guess_room(self, seq: Sequence) -> int:
         """How many guesses of what follows `seq`'s next token this step could be kept: its

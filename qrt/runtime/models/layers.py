@@ -247,21 +247,24 @@ class Attention(nn.Module):
         write_cache(self.k_cache, k, positions, slots)
         write_cache(self.v_cache, v, positions, slots)
 
-    def _in_place_attention(self, q, k, v, positions):
-        """Every cache row's new tokens (q [B, H, T, hd], k/v [B, KVH, T, hd] at positions [B, T],
-        batch row b being cache row b) attending over that row's live cache entries up to each
-        token's own position, with qrt.decode_attention (the kernel chosen in allocate_cache
+    def _in_place_attention(self, q, k, v, positions, slots):
+        """New tokens (q [B, H, T, hd], k/v [B, KVH, T, hd] at positions [B, T], batch row b in
+        cache row slots[b, 0], or b where slots is None) attending over their row's live cache
+        entries up to each token's own position, with qrt.decode_attention (the kernel chosen in allocate_cache
         replaces it when compiled). A decode step feeds T = 1; a speculative check feeds the
         next token and its guesses (T = 1 + k), each attending like the decode step that would
         have fed it, so both give a token the same attention. A token at the cache's last
         position is idle (CompiledModel.idle_decode_rows): it attends only to the entry it
         writes. Returns [B, T, H * hd]."""
         bsz, _, seq, _ = q.shape
-        self._write_cache(k, v, positions, None)
+        self._write_cache(k, v, positions, None if slots is None else slots[:, 0])
         last = positions.reshape(-1)  # [B*T]
         first = torch.zeros_like(last) if self.sliding_window is None else (last - self.sliding_window + 1).clamp(min=0)
         first = torch.where(last == self.k_cache.shape[2] - 1, last, first)
-        slots = torch.arange(bsz, device=q.device).repeat_interleave(seq)  # [B*T]: each token's cache row
+        if slots is None:
+            slots = torch.arange(bsz, device=q.device).repeat_interleave(seq)  # [B*T]: each token's cache row
+        else:
+            slots = slots.reshape(-1)
         scale_k, scale_v = (self.k_scale, self.v_scale) if self.fp8_cache else (None, None)
         queries = q.transpose(1, 2).reshape(bsz * seq, self.num_heads, self.head_dim)  # [B*T, H, hd]
         out = torch.ops.qrt.decode_attention(queries, self.k_cache, self.v_cache, slots, first, last, self.scale,
@@ -271,8 +274,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, positions, slots):
         """x: [B, T, D]; cos/sin: [B, 1, T, rot]; mask: [B, T, S'] bool (True = may attend) over
         the first S' cache entries. positions: [B, T], where each row writes its K/V in the cache,
-        or None to attend within x only; slots: [B], the cache row of each batch row, or None when
-        batch row b is cache row b (the batch is the whole cache)."""
+        or None to attend within x only. slots: where the rows' keys and values go in the cache:
+        [B], the cache row of each batch row (a prefill chunk: it attends over the cache read out,
+        with SDPA); [B, T], each token's (every token of a row in the row's cache row: decode or
+        a speculative check of chosen rows, attending in place); None, batch row b is cache row b
+        (the whole cache's decode or check, in place)."""
         bsz, seq, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -282,8 +288,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if positions is not None and slots is None:  # every cache row at once: decode, or a speculative check
-            return self.o_proj(self._in_place_attention(q, k, v, positions))
+        if positions is not None and (slots is None or slots.dim() == 2):  # decode, or a speculative check
+            return self.o_proj(self._in_place_attention(q, k, v, positions, slots))
         if positions is not None:
             attended = mask.shape[-1]  # S': the cache entries this call attends over
             self._write_cache(k, v, positions, slots)
@@ -321,6 +327,12 @@ def write_cache(cache, new, positions, slots) -> None:
     if cache.dtype == torch.float8_e4m3fn:
         storage, values = cache.view(torch.uint8), values.view(torch.uint8)
     storage.view(rows * heads * length, hd).index_copy_(0, flat.reshape(-1), values)
+
+
+def batch_rows(slots):
+    """The cache row of each batch row ([B], or None: row b) from Attention.forward's `slots`,
+    which may also give every token's ([B, T], one row's tokens all in one cache row)."""
+    return slots[:, 0] if slots is not None and slots.dim() == 2 else slots
 
 
 def read_cache(cache, slots, attended: int) -> torch.Tensor:

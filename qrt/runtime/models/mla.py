@@ -23,7 +23,7 @@ from qrt.errors import UnsupportedError
 from qrt.layers.linear import Linear
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, read_cache, write_cache
+from .layers import RMSNorm, apply_rope, batch_rows, read_cache, write_cache
 
 
 def halves_from_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +85,7 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
         if positions is not None:
             attended = mask.shape[-1]
+            slots = batch_rows(slots)  # latent attention reads the cache out in every case
             write_cache(self.latent_cache, latent, positions, slots)
             write_cache(self.rope_cache, k_rot, positions, slots)
             latent = read_cache(self.latent_cache, slots, attended)  # [B, 1, S', r]
