@@ -12,7 +12,7 @@ from graph_checks import assert_no_graph_breaks, no_recompiles
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams, check_guess, probabilities
-from qrt.runtime.speculative import SpeculativeConfig, prompt_lookup
+from qrt.runtime.speculative import CheckCosts, SpeculativeConfig, prompt_lookup
 from tiny_checkpoints import make_checkpoint
 
 K = 3
@@ -113,6 +113,13 @@ def _run(engine, requests, arrivals=None):
     return [seq.tokens for seq in sequences]
 
 
+def always_checking(engine: Engine) -> Engine:
+    """The engine with every guess checked, whatever its timings say a check is worth
+    (speculative.CheckCosts, tested on its own): for tests of the checking itself."""
+    engine.speculator.costs.pays = lambda *args: True
+    return engine
+
+
 def _looping_prompt(seed: int, length: int) -> list[int]:
     """A prompt that repeats a short phrase with changes, so that lookups find guesses."""
     rng = random.Random(seed)
@@ -126,7 +133,7 @@ def _looping_prompt(seed: int, length: int) -> list[int]:
 def test_greedy_tokens_equal_plain_decoding_at_batch_1(model):
     prompt = _looping_prompt(1, 40)
     request = model.request(prompt, 60, SamplingParams(), stop_at_eos=False)
-    speculating = Engine(model)
+    speculating = always_checking(Engine(model))
     assert _run(speculating, [request]) == _run(Engine(model, speculate=False), [request])
     spec = speculating.speculator
     assert spec.checks > 0 and 0 < spec.accepted <= spec.proposed
@@ -141,7 +148,7 @@ def test_greedy_tokens_equal_plain_decoding_in_a_churn(model):
                     (4, 70, 45, SamplingParams()), (5, 3, 30, SamplingParams()),
                     (6, 50, 35, SamplingParams(temperature=1.2, top_k=5, seed=2)))]
     alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
-    speculating = Engine(model)
+    speculating = always_checking(Engine(model))
     together = _run(speculating, requests, arrivals=[0, 0, 2, 5, 9])
     for i, request in enumerate(requests):
         assert len(together[i]) == request.max_tokens
@@ -152,7 +159,7 @@ def test_greedy_tokens_equal_plain_decoding_in_a_churn(model):
 
 def test_one_verify_graph_however_many_guesses_are_kept(model):
     requests = [model.request(_looping_prompt(seed, 25), 40, SamplingParams(), stop_at_eos=False) for seed in (7, 8)]
-    engine = Engine(model)
+    engine = always_checking(Engine(model))
     with no_recompiles(model):
         _run(engine, requests, arrivals=[0, 3])
     spec = engine.speculator
@@ -203,7 +210,7 @@ def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(
     first = distribution(prompt)
     following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
     likeliest = {a: int(p.argmax()) for a, p in following.items()}
-    engine = Engine(model)
+    engine = always_checking(Engine(model))
     engine.speculator.guess = lambda state, context, limit: [likeliest[context[-1]]]
     draws = 1500
     # Three tokens, so that the second can be guessed (a guess for the last token saves no step).
@@ -218,3 +225,19 @@ def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(
     observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
     assert observed.sum() == draws  # no draw outside the cells the model allows
     assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
+
+
+def test_a_check_runs_where_it_is_expected_to_pay():
+    costs = CheckCosts()
+    assert costs.pays("decode", "verify", 2, [3, 3], 0.5)  # nothing measured yet: check, to measure it
+    costs.observe("decode", 0.010)
+    costs.observe("verify", 0.026)
+    # 2 rows, 3 guesses each kept half the time: 1.875 tokens a row in 26 ms against 1 in 10 ms.
+    assert not costs.pays("decode", "verify", 2, [3, 3], 0.5)
+    assert costs.pays("decode", "verify", 2, [3, 3], 0.9)  # 3.44 tokens a row: it pays
+    assert costs.pays("decode_slot", "verify_slot", 1, [3], 0.5)  # another pair of graphs, unmeasured
+    for _ in range(CheckCosts.PROBE_EVERY):
+        assert not costs.pays("decode", "verify", 2, [3, 3], 0.5)
+    assert costs.pays("decode", "verify", 2, [3, 3], 0.5)  # measured again now and then
+    costs.observe("verify", 0.012)  # cheaper now: the running average moves a fifth of the way
+    assert abs(costs.seconds["verify"] - 0.0232) < 1e-9

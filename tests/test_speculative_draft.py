@@ -10,7 +10,7 @@ import pytest
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams
-from test_speculative import _looping_prompt, _run
+from test_speculative import _looping_prompt, _run, always_checking
 from tiny_checkpoints import make_checkpoint
 
 K, SLOTS, MAX_SEQ_LEN = 3, 3, 256
@@ -53,7 +53,7 @@ def test_greedy_tokens_equal_plain_decoding_alone_and_in_a_churn(which, request)
     model = request.getfixturevalue(f"with_{which}")
     requests = _requests(model)
     alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
-    speculating = Engine(model)
+    speculating = always_checking(Engine(model))
     assert [_run(speculating, [r])[0] for r in requests] == alone
     assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
     spec = speculating.speculator
@@ -69,7 +69,7 @@ def test_the_draft_catches_up_on_chunks_the_model_reused(with_copy):
     request = model.request(_looping_prompt(15, 40), 30, SamplingParams(), stop_at_eos=False)
     expected = _run(Engine(model, chunk_size=16, speculate=False), [request])[0]
     before = model.prefix_cache.reused_tokens
-    speculating = Engine(model, chunk_size=16)
+    speculating = always_checking(Engine(model, chunk_size=16))
     assert _run(speculating, [request])[0] == expected
     assert model.prefix_cache.reused_tokens - before == 32  # two whole chunks were not prefilled
     spec = speculating.speculator

@@ -291,40 +291,66 @@ class Engine:
     def _decode_step(self, decoding) -> list:
         if not decoding:
             return []
-        guesses = {}
         if self.speculator is not None:
             rows = [(seq, list(seq.request.prompt) + seq.tokens, room) for seq in decoding
                     if (room := self._guess_room(seq)) > 0]
-            guesses = self.speculator.guesses(rows)
-        if any(guesses.values()):
-            return self._verify_step(decoding, guesses)
-        if len(decoding) == 1 and self.model.one_slot_exact:
+            if rows and self._check_pays(decoding, [room for *_, room in rows]):
+                started = time.perf_counter()  # a check's time counts its guessing (a draft's steps)
+                guesses = self.speculator.guesses(rows)
+                if any(guesses.values()):
+                    return self._verify_step(decoding, guesses, started)
+        if self._one_slot(decoding):
             return self._decode_slot(decoding[0])
         tokens, positions = self.model.idle_decode_rows()  # [slots] each
         for seq in decoding:
             tokens[seq.slot], positions[seq.slot] = seq.next_token, seq.position
         try:
+            started = time.perf_counter()
             logits = self.model.decode_step(tokens, positions, max(s.position for s in decoding) + 1)  # [slots, V]
+            self._timed("decode", started)
         except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
             for seq in decoding:
                 self._fail(seq, err)
             return []
         return [(seq, logits[seq.slot][None], [], True) for seq in decoding]
 
+    def _one_slot(self, decoding) -> bool:
+        """Whether this step's one decoding request runs through the graphs of its slot alone."""
+        return len(decoding) == 1 and self.model.one_slot_exact
+
+    def _check_pays(self, decoding, rooms: list[int]) -> bool:
+        """Whether guessing and checking is expected to give more tokens per second than a plain
+        step (speculative.CheckCosts), for requests that may guess up to `rooms` tokens each.
+        The ranks of a sharded model must choose alike, and their clocks differ: there every
+        check runs."""
+        if self.model.parallel.sharded:
+            return True
+        plain, check = ("decode_slot", "verify_slot") if self._one_slot(decoding) else ("decode", "verify")
+        limit = self.speculator.config.num_speculative_tokens
+        return self.speculator.costs.pays(plain, check, len(decoding), [min(room, limit) for room in rooms],
+                                          self.speculator.kept_share)
+
+    def _timed(self, graph: str, started: float) -> None:
+        if self.speculator is not None:
+            self.speculator.costs.observe(graph, time.perf_counter() - started)
+
     def _decode_slot(self, seq: Sequence) -> list:
         """The decode step of the one decoding request, through the graph of one slot's row: its
         logits are the same bits as in the graph of every slot, for less work."""
         try:
+            started = time.perf_counter()
             logits = self.model.decode_slot(seq.slot, seq.next_token, seq.position)  # [V]
+            self._timed("decode_slot", started)
         except Exception as err:  # noqa: BLE001  (a failed step fails its request, not the engine)
             self._fail(seq, err)
             return []
         return [(seq, logits[None], [], True)]
 
-    def _verify_step(self, decoding, guesses: dict) -> list:
-        """One call of the verify graph: each decoding slot's next token and guesses."""
-        if len(decoding) == 1 and self.model.one_slot_exact:
-            return self._verify_slot(decoding[0], guesses[id(decoding[0])])
+    def _verify_step(self, decoding, guesses: dict, started: float) -> list:
+        """One call of the verify graph: each decoding slot's next token and guesses. started:
+        when the guessing began (the check's time, for CheckCosts)."""
+        if self._one_slot(decoding):
+            return self._verify_slot(decoding[0], guesses[id(decoding[0])], started)
         tokens, positions = self.model.idle_rows(self.speculator.config.width)  # [slots, k + 1] each
         for seq in decoding:
             fed = [seq.next_token, *guesses.get(id(seq), [])]
@@ -333,6 +359,7 @@ class Engine:
         furthest = max(seq.position + len(guesses.get(id(seq), [])) for seq in decoding)
         try:
             logits = self.model.verify_step(tokens, positions, furthest + 1)  # [slots, k + 1, V]
+            self._timed("verify", started)
         except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
             for seq in decoding:
                 self._fail(seq, err)
@@ -341,7 +368,7 @@ class Engine:
         return [(seq, logits[seq.slot, :1 + len(guesses.get(id(seq), []))], guesses.get(id(seq), []), True)
                 for seq in decoding]
 
-    def _verify_slot(self, seq: Sequence, guesses: list[int]) -> list:
+    def _verify_slot(self, seq: Sequence, guesses: list[int], started: float) -> list:
         """The check of the one decoding request, through the graph of one slot's rows."""
         tokens, positions = self.model.idle_rows(self.speculator.config.width)
         tokens, positions = tokens[0], positions[0]  # [k + 1] each
@@ -350,6 +377,7 @@ class Engine:
         positions[:len(fed)] = torch.arange(seq.position, seq.position + len(fed))
         try:
             logits = self.model.verify_slot(seq.slot, tokens, positions, seq.position + len(fed))  # [k + 1, V]
+            self._timed("verify_slot", started)
         except Exception as err:  # noqa: BLE001  (a failed step fails its request, not the engine)
             self._fail(seq, err)
             return []

@@ -106,6 +106,41 @@ def prompt_lookup(context: list[int], limit: int, longest: int, shortest: int) -
     return []
 
 
+class CheckCosts:
+    """Whether checking this step's guesses is worth its call: the verify graph feeds k + 1 rows
+    per slot, which on a busy multi-slot step costs several plain decode steps (2.6 times at 8
+    slots on the default model), more than the guesses kept give back. The engine times every
+    decode and verify call; a check runs where the tokens it is expected to give per second
+    beat the plain step's, or to measure it again after PROBE_EVERY steps without. The time of a
+    check includes making its guesses, which for a draft model are decode steps of its own."""
+
+    PROBE_EVERY = 64
+    SMOOTHING = 0.2  # weight of each new time in the running average
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}  # graph name -> running average of a call
+        self.steps_without = 0  # steps since the last check
+
+    def observe(self, graph: str, seconds: float) -> None:
+        old = self.seconds.get(graph)
+        self.seconds[graph] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+
+    def pays(self, plain: str, check: str, rows: int, guesses: list[int], kept_share: float) -> bool:
+        """rows: decoding requests; guesses: how many each of those that may guess would guess
+        at most; kept_share: the share of guesses kept so far. plain, check: the graphs either
+        choice would run (a check's time includes making its guesses)."""
+        if plain not in self.seconds or check not in self.seconds or self.steps_without >= self.PROBE_EVERY:
+            self.steps_without = 0
+            return True
+        # A guess is reached only if those before it were kept: 1 + r + r² + … tokens a row.
+        tokens = rows - len(guesses) + sum(sum(kept_share ** i for i in range(count + 1)) for count in guesses)
+        if tokens / self.seconds[check] > rows / self.seconds[plain]:
+            self.steps_without = 0
+            return True
+        self.steps_without += 1
+        return False
+
+
 @dataclass
 class GuessState:
     """One request's record of how its guesses fare (for backing off where they fail), and of
@@ -142,6 +177,11 @@ class Speculator:
         self.proposed = 0  # guesses checked
         self.accepted = 0  # of those, kept
         self.checks = 0  # verify calls
+        self.costs = CheckCosts()
+
+    @property
+    def kept_share(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.5
 
     def guesses(self, rows) -> dict[int, list[int]]:
         """rows: (sequence, its context, at most how many guesses) for each decoding request,
