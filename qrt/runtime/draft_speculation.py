@@ -33,6 +33,7 @@ class _DraftRow:
 
 
 class DraftSpeculator(Speculator):
+    guessing_takes_steps = True
     def __init__(self, config: SpeculativeConfig, draft):
         """draft: the CompiledModel that guesses (compile_model made it with the model's slots
         and cache length)."""

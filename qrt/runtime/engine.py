@@ -294,10 +294,14 @@ class Engine:
         if self.speculator is not None:
             rows = [(seq, list(seq.request.prompt) + seq.tokens, room) for seq in decoding
                     if (room := self._guess_room(seq)) > 0]
-            if rows and self._check_pays(decoding, [room for *_, room in rows]):
+            # Guesses that cost steps of their own (a draft's) are weighed before they are made, at
+            # the most each request could guess; looked-up ones after, at what was found.
+            costly = self.speculator.guessing_takes_steps
+            if rows and (not costly or self._check_pays(decoding, [room for *_, room in rows])):
                 started = time.perf_counter()  # a check's time counts its guessing (a draft's steps)
                 guesses = self.speculator.guesses(rows)
-                if any(guesses.values()):
+                found = [len(g) for g in guesses.values() if g]
+                if found and (costly or self._check_pays(decoding, found)):
                     return self._verify_step(decoding, guesses, started)
         if self._one_slot(decoding):
             return self._decode_slot(decoding[0])
@@ -318,16 +322,16 @@ class Engine:
         """Whether this step's one decoding request runs through the graphs of its slot alone."""
         return len(decoding) == 1 and self.model.one_slot_exact
 
-    def _check_pays(self, decoding, rooms: list[int]) -> bool:
+    def _check_pays(self, decoding, counts: list[int]) -> bool:
         """Whether guessing and checking is expected to give more tokens per second than a plain
-        step (speculative.CheckCosts), for requests that may guess up to `rooms` tokens each.
+        step (speculative.CheckCosts), for requests that guess up to `counts` tokens each.
         The ranks of a sharded model must choose alike, and their clocks differ: there every
         check runs."""
         if self.model.parallel.sharded:
             return True
         plain, check = ("decode_slot", "verify_slot") if self._one_slot(decoding) else ("decode", "verify")
         limit = self.speculator.config.num_speculative_tokens
-        return self.speculator.costs.pays(plain, check, len(decoding), [min(room, limit) for room in rooms],
+        return self.speculator.costs.pays(plain, check, len(decoding), [min(count, limit) for count in counts],
                                           self.speculator.kept_share)
 
     def _timed(self, graph: str, started: float) -> None:

@@ -172,6 +172,8 @@ class Speculator:
     looks them up in each request's own tokens (prompt lookup); draft_speculation.py asks a
     smaller model."""
 
+    guessing_takes_steps = False  # whether making guesses runs a model (then it is weighed first)
+
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.proposed = 0  # guesses checked
