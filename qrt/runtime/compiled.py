@@ -575,7 +575,8 @@ class CompiledModel:
                 self.compile_seconds[role] = time.perf_counter() - role_started
                 if entry is None:
                     self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
-            if self.max_batch_size > 1:
+            # Sharded ranks would each decide for themselves, and must run the same graphs.
+            if self.max_batch_size > 1 and not self.parallel.sharded:
                 self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
             if entry is not None:
@@ -600,7 +601,7 @@ class CompiledModel:
     def _roles(self) -> tuple[str, ...]:
         """The graphs warmup compiles: prefill and decode; with several slots, decode of one slot
         alone; with speculative decoding, the verify graphs."""
-        one_slot = self.max_batch_size > 1
+        one_slot = self.max_batch_size > 1 and not self.parallel.sharded
         roles = ("prefill", "decode") + (("decode_slot",) if one_slot else ())
         if self.speculative:
             roles += ("verify",) + (("verify_slot",) if one_slot else ())

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .distributed import broadcast_from_first
+from .draft_speculation import DraftSpeculator
 from .logprobs import TokenLogprob, scored
 from .sampling import SamplingParams, adjusted, check_guess, sample
-from .draft_speculation import DraftSpeculator
 from .speculative import GuessState, Speculator
 from .structured import GrammarState, GrammarTokenizer
 from .text_stream import TextStream
