@@ -232,12 +232,12 @@ def test_a_check_runs_where_it_is_expected_to_pay():
     assert costs.pays("decode", "verify", 2, [3, 3], 0.5)  # nothing measured yet: check, to measure it
     costs.observe("decode", 0.010)
     costs.observe("verify", 0.026)
-    # 2 rows, 3 guesses each kept half the time: 1.875 tokens a row in 26 ms against 1 in 10 ms.
-    assert not costs.pays("decode", "verify", 2, [3, 3], 0.5)
-    assert costs.pays("decode", "verify", 2, [3, 3], 0.9)  # 3.44 tokens a row: it pays
+    # 2 rows, 3 guesses each, a third of guesses kept: 2 tokens a row in 26 ms against 1 in 10 ms.
+    assert not costs.pays("decode", "verify", 2, [3, 3], 1 / 3)
+    assert costs.pays("decode", "verify", 2, [3, 3], 0.9)  # 3.7 tokens a row: it pays
     assert costs.pays("decode_slot", "verify_slot", 1, [3], 0.5)  # another pair of graphs, unmeasured
     for _ in range(CheckCosts.PROBE_EVERY):
-        assert not costs.pays("decode", "verify", 2, [3, 3], 0.5)
-    assert costs.pays("decode", "verify", 2, [3, 3], 0.5)  # measured again now and then
+        assert not costs.pays("decode", "verify", 2, [3, 3], 1 / 3)
+    assert costs.pays("decode", "verify", 2, [3, 3], 1 / 3)  # measured again now and then
     costs.observe("verify", 0.012)  # cheaper now: the running average moves a fifth of the way
     assert abs(costs.seconds["verify"] - 0.0232) < 1e-9

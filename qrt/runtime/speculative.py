@@ -132,8 +132,9 @@ class CheckCosts:
         if plain not in self.seconds or check not in self.seconds or self.steps_without >= self.PROBE_EVERY:
             self.steps_without = 0
             return True
-        # A guess is reached only if those before it were kept: 1 + r + r² + … tokens a row.
-        tokens = rows - len(guesses) + sum(sum(kept_share ** i for i in range(count + 1)) for count in guesses)
+        # Kept guesses come in runs (a passage being copied, a draft in step), so the share kept
+        # of each guess is the share kept overall: 1 + r·d tokens for a row of d guesses.
+        tokens = rows - len(guesses) + sum(1 + kept_share * count for count in guesses)
         if tokens / self.seconds[check] > rows / self.seconds[plain]:
             self.steps_without = 0
             return True
