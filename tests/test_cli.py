@@ -1,5 +1,7 @@
 """The command line: inspect, dump and generate on a tiny checkpoint."""
 
+import pytest
+
 from kernel_checks import fp8_cpu_kernel
 from qrt.cli import main
 
@@ -64,6 +66,7 @@ def test_inspect_names_a_stored_fp8_format_and_its_kernels(tmp_path, capsys):
         assert "qrt.fp8_block_linear_cpu" in out and "dequantized with block scales (HF fp8)" in out
 
 
+@pytest.mark.slow  # a model compiled with its verify graphs: `make test-slow`
 def test_generate_with_speculation_says_what_it_kept(chat_llama_dir, capsys):
     args = ["generate", str(chat_llama_dir), "--no-chat", "--prompt", "abcabcabcabcabc", "--max-new-tokens", "24",
             "--speculative", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1"]

@@ -195,6 +195,7 @@ def test_a_checked_guess_is_distributed_as_the_model_samples():
             assert all(agreed == (token == guess) for token, agreed in draws)
 
 
+@pytest.mark.slow  # 1500 seeded requests: `make test-slow`
 def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(model):
     """Two sampled tokens (top-3 of a random model), the second always a checked guess: their
     joint frequencies over seeded draws against p(t1) · p(t2 | t1). The guess after each t1 is

@@ -13,6 +13,8 @@ from qrt.runtime.sampling import SamplingParams
 from test_speculative import _looping_prompt, _run, always_checking
 from tiny_checkpoints import make_checkpoint
 
+pytestmark = pytest.mark.slow  # three models compiled: `make test-slow`
+
 K, SLOTS, MAX_SEQ_LEN = 3, 3, 256
 
 
