@@ -16,6 +16,7 @@ from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, o
 from qrt.runtime.compiled import BUILDS
 from qrt.runtime.distributed import leave_process_group
 from qrt.runtime.evaluate import DEFAULT_WINDOW
+from qrt.runtime.speculative import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -64,13 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "`torchrun --nproc-per-node N -m qrt …` (default: 1)")
 
     def add_speculative_args(sub):
-        sub.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+        sub.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                          help="speculative decoding: guess the next tokens and check them in one call (greedy "
                               "output unchanged). ngram looks the last few tokens up earlier in the prompt and "
                               "output (pays where answers repeat their input); draft asks a draft model (--draft)")
-        sub.add_argument("--num-speculative-tokens", type=int, default=3, help="guesses checked per step (default: 3)")
-        sub.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest tail looked up (default: 4)")
-        sub.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest (default: 2)")
+        defaults = SpeculativeConfig()
+        sub.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
+                         help="guesses checked per step (default: %(default)s)")
+        sub.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
+                         help="ngram: the longest tail looked up (default: %(default)s)")
+        sub.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
+                         help="ngram: the shortest (default: %(default)s)")
         sub.add_argument("--draft", default=None,
                          help="draft: the draft model's checkpoint, sharing the model's tokenizer (default: the "
                               "model's own, which then needs --draft-quant)")

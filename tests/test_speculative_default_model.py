@@ -11,6 +11,7 @@ from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.evaluate import DEFAULT_TEXT
 from qrt.runtime.sampling import SamplingParams
+from test_speculative import _run
 
 pytestmark = pytest.mark.slow
 
@@ -45,22 +46,11 @@ def test_verify_logits_are_the_decode_logits_bit_for_bit(model):
     assert torch.equal(model.decode_slot(slot, fed[0], len(prompt)), decoded[0])
 
 
-def _tokens(engine, requests, arrivals):
-    sequences, step = [None] * len(requests), 0
-    while any(s is None or not s.done for s in sequences):
-        for i, at in enumerate(arrivals):
-            if at == step:
-                sequences[i] = engine.submit(requests[i])
-        engine.step()
-        step += 1
-    return [s.tokens for s in sequences]
-
-
 def test_greedy_answers_are_unchanged_alone_and_in_company(model):
     requests = [model.request(model.encode_messages([{"role": "user", "content": WORKLOADS[name]}]), 96,
                               SamplingParams(), stop_at_eos=False) for name in ("passage", "code", "free")]
-    alone = [_tokens(Engine(model, speculate=False), [r], [0])[0] for r in requests]
+    alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
     speculating = Engine(model)
-    assert [_tokens(speculating, [r], [0])[0] for r in requests] == alone
-    assert _tokens(speculating, requests, [0, 4, 9]) == alone
+    assert [_run(speculating, [r])[0] for r in requests] == alone
+    assert _run(speculating, requests, [0, 4, 9]) == alone
     assert speculating.speculator.accepted > 0

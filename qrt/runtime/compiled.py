@@ -174,11 +174,7 @@ def _prefill(model, input_ids, positions, keys, slots, logits_at):
     return model(input_ids, positions, keys, slots, logits_at, keep_hidden=True)
 
 
-def _decode(model, input_ids, positions, keys):
-    return model(input_ids, positions, keys)
-
-
-def _verify(model, input_ids, positions, keys):
+def _decode(model, input_ids, positions, keys):  # also the verify graph: k + 1 tokens per slot
     return model(input_ids, positions, keys)
 
 
@@ -252,7 +248,8 @@ class CompiledModel:
         # them off for a while.
         self.direct: dict[str, DirectGraph] = {}
         self._guarded = False
-        fns = {"prefill": _prefill, "decode": _decode, "decode_slot": _one_slot, "verify": _verify,
+        # One function may serve two roles: own_copy gives each role its own code object.
+        fns = {"prefill": _prefill, "decode": _decode, "decode_slot": _one_slot, "verify": _decode,
                "verify_slot": _one_slot, "forward": _forward}
         if compile:
             number = next(_model_numbers)
@@ -472,10 +469,8 @@ class CompiledModel:
         if role == "prefill":
             return self._prefill_inputs(list(range(3, 9)), 0, 0)
         if role == "verify":
-            width = self.speculative.width if self.speculative else 2
-            tokens, positions = self.idle_rows(width)
-            tokens[0], positions[0] = torch.arange(3, 3 + width), torch.arange(2, 2 + width)
-            return self._step_inputs(tokens, positions, 2 + width)
+            tokens, positions, attended = self._slot0_check(3, self.speculative.width if self.speculative else 2)
+            return self._step_inputs(tokens, positions, attended)
         tokens, positions = self._slot0_step(3, 2)
         return self._step_inputs(tokens.view(-1, 1), positions.view(-1, 1), 3)
 
@@ -533,6 +528,13 @@ class CompiledModel:
         positions = torch.full((self.max_batch_size, width), self.max_seq_len - 1, dtype=torch.long)
         return tokens, positions
 
+    def _slot0_check(self, token: int, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """tokens, positions [slots, width] of a verify call with only slot 0 busy, feeding
+        token, token + 1, … from position 2; and the attended length."""
+        tokens, positions = self.idle_rows(width)
+        tokens[0], positions[0] = torch.arange(token, token + width), torch.arange(2, 2 + width)
+        return tokens, positions, 2 + width
+
     def _slot0_step(self, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions [slots] of a decode step with only slot 0 busy."""
         tokens, positions = self.idle_decode_rows()
@@ -567,7 +569,8 @@ class CompiledModel:
         # A fresh record of cache artifacts, so that the entry holds this model's graphs only
         # (torch versions without it record the whole process's, which is safe, only larger).
         with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
-            for role in self._roles():
+            roles = self._roles()
+            for role in roles:
                 role_started = time.perf_counter()
                 if entry is None:
                     self._say(f"qrt: compiling {role} …")
@@ -575,8 +578,7 @@ class CompiledModel:
                 self.compile_seconds[role] = time.perf_counter() - role_started
                 if entry is None:
                     self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
-            # Sharded ranks would each decide for themselves, and must run the same graphs.
-            if self.max_batch_size > 1 and not self.parallel.sharded:
+            if "decode_slot" in roles:
                 self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
             if entry is not None:
@@ -591,16 +593,14 @@ class CompiledModel:
         alone_matches = torch.equal(self.decode_step(tokens, positions, 3)[0], self.decode_slot(0, 7, 2))
         if not alone_matches or not self.speculative:
             return alone_matches
-        tokens, positions = self.idle_rows(self.speculative.width)
-        tokens[0] = torch.arange(7, 7 + self.speculative.width)
-        positions[0] = torch.arange(2, 2 + self.speculative.width)
-        attended = 2 + self.speculative.width
+        tokens, positions, attended = self._slot0_check(7, self.speculative.width)
         return torch.equal(self.verify_step(tokens, positions, attended)[0],
                            self.verify_slot(0, tokens[0], positions[0], attended))
 
     def _roles(self) -> tuple[str, ...]:
         """The graphs warmup compiles: prefill and decode; with several slots, decode of one slot
-        alone; with speculative decoding, the verify graphs."""
+        alone (not for sharded ranks, which would each check it for themselves and must run the
+        same graphs); with speculative decoding, the verify graphs."""
         one_slot = self.max_batch_size > 1 and not self.parallel.sharded
         roles = ("prefill", "decode") + (("decode_slot",) if one_slot else ())
         if self.speculative:
@@ -618,12 +618,11 @@ class CompiledModel:
         elif role == "decode_slot":
             self.decode_slot(0, 0, 2)
         else:
-            tokens, positions = self.idle_rows(self.speculative.width)
-            positions[0] = torch.arange(2, 2 + self.speculative.width)
+            tokens, positions, attended = self._slot0_check(0, self.speculative.width)
             if role == "verify":
-                self.verify_step(tokens, positions, 2 + self.speculative.width)
+                self.verify_step(tokens, positions, attended)
             else:
-                self.verify_slot(0, tokens[0], positions[0], 2 + self.speculative.width)
+                self.verify_slot(0, tokens[0], positions[0], attended)
 
     def _say(self, line: str) -> None:
         if self.progress:

@@ -302,21 +302,8 @@ class Engine:
                 guesses = self.speculator.guesses(rows)
                 found = [len(g) for g in guesses.values() if g]
                 if found and (costly or self._check_pays(decoding, found)):
-                    return self._verify_step(decoding, guesses, started)
-        if self._one_slot(decoding):
-            return self._decode_slot(decoding[0])
-        tokens, positions = self.model.idle_decode_rows()  # [slots] each
-        for seq in decoding:
-            tokens[seq.slot], positions[seq.slot] = seq.next_token, seq.position
-        try:
-            started = time.perf_counter()
-            logits = self.model.decode_step(tokens, positions, max(s.position for s in decoding) + 1)  # [slots, V]
-            self._timed("decode", started)
-        except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
-            for seq in decoding:
-                self._fail(seq, err)
-            return []
-        return [(seq, logits[seq.slot][None], [], True) for seq in decoding]
+                    return self._feed(decoding, guesses, started)
+        return self._feed(decoding, {}, time.perf_counter())
 
     def _one_slot(self, decoding) -> bool:
         """Whether this step's one decoding request runs through the graphs of its slot alone."""
@@ -338,55 +325,44 @@ class Engine:
         if self.speculator is not None:
             self.speculator.costs.observe(graph, time.perf_counter() - started)
 
-    def _decode_slot(self, seq: Sequence) -> list:
-        """The decode step of the one decoding request, through the graph of one slot's row: its
-        logits are the same bits as in the graph of every slot, for less work."""
-        try:
-            started = time.perf_counter()
-            logits = self.model.decode_slot(seq.slot, seq.next_token, seq.position)  # [V]
-            self._timed("decode_slot", started)
-        except Exception as err:  # noqa: BLE001  (a failed step fails its request, not the engine)
-            self._fail(seq, err)
-            return []
-        return [(seq, logits[None], [], True)]
-
-    def _verify_step(self, decoding, guesses: dict, started: float) -> list:
-        """One call of the verify graph: each decoding slot's next token and guesses. started:
-        when the guessing began (the check's time, for CheckCosts)."""
-        if self._one_slot(decoding):
-            return self._verify_slot(decoding[0], guesses[id(decoding[0])], started)
-        tokens, positions = self.model.idle_rows(self.speculator.config.width)  # [slots, k + 1] each
+    def _feed(self, decoding, guesses: dict, started: float) -> list:
+        """One call of a step graph: each decoding request's next token, and its guesses where any
+        request has some (the verify graph; else decode). Where one request decodes and the
+        kernels allow, the graph of its slot alone. started: when the step began, guessing
+        included (the call's time, for CheckCosts)."""
+        width = self.speculator.config.width if guesses else 1
+        tokens, positions = self.model.idle_rows(width)  # [slots, width] each
+        fed = {id(seq): [seq.next_token, *guesses.get(id(seq), [])] for seq in decoding}
         for seq in decoding:
-            fed = [seq.next_token, *guesses.get(id(seq), [])]
-            tokens[seq.slot, :len(fed)] = torch.tensor(fed)
-            positions[seq.slot, :len(fed)] = torch.arange(seq.position, seq.position + len(fed))
-        furthest = max(seq.position + len(guesses.get(id(seq), [])) for seq in decoding)
+            count = len(fed[id(seq)])
+            tokens[seq.slot, :count] = torch.tensor(fed[id(seq)])
+            positions[seq.slot, :count] = torch.arange(seq.position, seq.position + count)
+        attended = max(seq.position + len(fed[id(seq)]) for seq in decoding)  # the furthest place + 1
+        alone = decoding[0].slot if self._one_slot(decoding) else None
+        graph = ("verify" if guesses else "decode") + ("_slot" if alone is not None else "")
         try:
-            logits = self.model.verify_step(tokens, positions, furthest + 1)  # [slots, k + 1, V]
-            self._timed("verify", started)
+            logits = self._call(graph, tokens, positions, attended, alone)  # [slots, or 1 alone, width, V]
+            self._timed(graph, started)
         except Exception as err:  # noqa: BLE001  (a failed step fails its requests, not the engine)
             for seq in decoding:
                 self._fail(seq, err)
             return []
-        self.speculator.checks += 1
-        return [(seq, logits[seq.slot, :1 + len(guesses.get(id(seq), []))], guesses.get(id(seq), []), True)
+        if guesses:
+            self.speculator.checks += 1
+        return [(seq, logits[seq.slot if alone is None else 0, :len(fed[id(seq)])], guesses.get(id(seq), []), True)
                 for seq in decoding]
 
-    def _verify_slot(self, seq: Sequence, guesses: list[int], started: float) -> list:
-        """The check of the one decoding request, through the graph of one slot's rows."""
-        tokens, positions = self.model.idle_rows(self.speculator.config.width)
-        tokens, positions = tokens[0], positions[0]  # [k + 1] each
-        fed = [seq.next_token, *guesses]
-        tokens[:len(fed)] = torch.tensor(fed)
-        positions[:len(fed)] = torch.arange(seq.position, seq.position + len(fed))
-        try:
-            logits = self.model.verify_slot(seq.slot, tokens, positions, seq.position + len(fed))  # [k + 1, V]
-            self._timed("verify_slot", started)
-        except Exception as err:  # noqa: BLE001  (a failed step fails its request, not the engine)
-            self._fail(seq, err)
-            return []
-        self.speculator.checks += 1
-        return [(seq, logits[:len(fed)], guesses, True)]
+    def _call(self, graph: str, tokens, positions, attended: int, alone: int | None) -> torch.Tensor:
+        """The model's call of `graph` on tokens, positions [slots, W] (of slot `alone` only, for
+        the slot graphs): float32 logits [slots, W, V], or [1, W, V] alone."""
+        model = self.model
+        if graph == "decode":
+            return model.decode_step(tokens[:, 0], positions[:, 0], attended)[:, None]
+        if graph == "decode_slot":
+            return model.decode_slot(alone, int(tokens[alone, 0]), int(positions[alone, 0]))[None, None]
+        if graph == "verify":
+            return model.verify_step(tokens, positions, attended)
+        return model.verify_slot(alone, tokens[alone], positions[alone], attended)[None]
 
     def _guess_room(self, seq: Sequence) -> int:
         """How many guesses of what follows `seq`'s next token this step could be kept: its

@@ -257,7 +257,7 @@ class Attention(nn.Module):
         position is idle (CompiledModel.idle_decode_rows): it attends only to the entry it
         writes. Returns [B, T, H * hd]."""
         bsz, _, seq, _ = q.shape
-        self._write_cache(k, v, positions, None if slots is None else slots[:, 0])
+        self._write_cache(k, v, positions, batch_rows(slots))
         last = positions.reshape(-1)  # [B*T]
         first = torch.zeros_like(last) if self.sliding_window is None else (last - self.sliding_window + 1).clamp(min=0)
         first = torch.where(last == self.k_cache.shape[2] - 1, last, first)
