@@ -9,6 +9,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 FIRST_ORDINARY_TOKEN = 10  # ids below this are special tokens (bos, eos, pad, chat markers)
 PROMPT_SEED = 0
@@ -63,6 +64,17 @@ def prompt_ids(vocab_size: int, length: int, row: int = 0) -> list[int]:
 
     generator = torch.Generator().manual_seed(PROMPT_SEED + row)
     return torch.randint(FIRST_ORDINARY_TOKEN, vocab_size, (length,), generator=generator).tolist()
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (the kernel's record of it, so the interpreter's own
+    start and every import count), to 10 ms; None where /proc is not there."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def wall_time(fn) -> float:

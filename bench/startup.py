@@ -9,7 +9,8 @@ Every measurement is a fresh process (bench/engines.py says exactly what each fi
 after another, so run it on a quiet machine. For each format and build:
 - cold: an empty QRT_CACHE_DIR (no qrt compile cache, no Inductor caches): first token s = load +
   every compile generate needs + the first token, from the call of compile_model (imports not
-  counted); then decode at batch 1 (median of --runs after an untimed run) and the peak RSS of the
+  counted), and the same token from the process's start (Python and the imports included: what
+  the targets are set on); then decode at batch 1 (median of --runs after an untimed run) and the peak RSS of the
   whole process (imports, load, compile and the decode runs: VmHWM);
 - warm: a second process on that folder: first token s as above (the regional build loads its
   graphs from qrt's compile cache; the frozen build, with --frozen-warm, gets what Inductor's own
@@ -69,7 +70,8 @@ def start_rows(runner: Runner, args) -> list[dict]:
             rows.append(runner.qrt(name, build, warm=warm) | {"build": build})
     eager = runner.job("transformers", HF_EAGER, 1)
     rows.append({"label": HF_EAGER, "build": None, "format": "bf16", "first_token_s": None,
-                 "warm_first_token_s": None, "decode_tok_s": {"1": eager.get("decode_tok_s"), str(args.batch): None},
+                 "warm_first_token_s": None, "process_first_token_s": None, "warm_process_first_token_s": None,
+                 "decode_tok_s": {"1": eager.get("decode_tok_s"), str(args.batch): None},
                  "peak_rss_mib": {"1": eager.get("peak_rss_mib")},
                  "errors": [eager["error"]] if "error" in eager else [], "jobs": {"batch 1": eager}})
     return rows
@@ -114,15 +116,17 @@ def print_start_table(rows: list[dict], batch: int) -> None:
         rss = row["peak_rss_mib"].get("1")
         row["vs_frozen"] = dict(zip(("1", str(batch)), ratios))
         table.append((row["label"],
-                      f"{row['first_token_s']:.1f}" if row.get("first_token_s") else "—",
-                      f"{row['warm_first_token_s']:.1f}" if row.get("warm_first_token_s") else "—",
+                      *(f"{row[key]:.1f}" if row.get(key) else "—"
+                        for key in ("first_token_s", "warm_first_token_s", "process_first_token_s",
+                                    "warm_process_first_token_s")),
                       fmt_spread(row["decode_tok_s"].get("1")), ratios[0],
                       fmt_spread(row["decode_tok_s"].get(str(batch))), ratios[1],
                       f"{rss:.0f}" if rss else "—",
                       fmt_ratio(rss / eager_rss) if rss and eager_rss else "—"))
-    print_table(("engine", "cold first token s", "warm first token s", "decode b1 tok/s", "× frozen",
+    print_table(("engine", "cold first token s", "warm first token s", "cold from process start s",
+                 "warm from process start s", "decode b1 tok/s", "× frozen",
                  f"decode b{batch} tok/s", "× frozen", "peak RSS b1 MiB", "× HF RSS"), table)
-    print(f"targets: cold ≤ {TARGETS['cold_s']:.0f} s, warm ≤ {TARGETS['warm_s']:.0f} s, decode ≥ "
+    print(f"targets, from process start: cold ≤ {TARGETS['cold_s']:.0f} s, warm ≤ {TARGETS['warm_s']:.0f} s; decode ≥ "
           f"{TARGETS['decode_vs_frozen']}× the frozen build, peak RSS ≤ transformers eager's")
 
 

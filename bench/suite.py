@@ -200,6 +200,8 @@ def make_row(engine: str, fmt: str, label: str, speed_jobs: dict, start_job: dic
         "warm_start_s": start_job["load_s"] + start_job["compile_s"] if start_ok else None,
         "first_token_s": batch1.get("first_token_s"),
         "warm_first_token_s": start_job.get("first_token_s") if start_ok else None,
+        "process_first_token_s": batch1.get("process_first_token_s"),
+        "warm_process_first_token_s": start_job.get("process_first_token_s") if start_ok else None,
         "prefill_tok_s": batch1.get("prefill_tok_s"),
         "decode_tok_s": {str(b): (job or {}).get("decode_tok_s") for b, job in speed_jobs.items()},
         "peak_rss_mib": {str(b): (job or {}).get("peak_rss_mib") for b, job in speed_jobs.items()},

@@ -400,5 +400,6 @@ def _cache(args) -> int:
         parts = meta.get("parts", {})
         print(f"  {entry.path.stem}  {created}  {entry.size / 2**20:6.1f} MiB  {meta.get('source')}  "
               f"quant={meta.get('quant')}  device={meta.get('device')}  max_seq_len={parts.get('max_seq_len')}  "
-              f"max_batch_size={parts.get('max_batch_size')}  cold compile {meta.get('compile_seconds')} s")
+              f"max_batch_size={parts.get('max_batch_size')}  {meta.get('payload', 'torch caches')}  "
+              f"cold compile {meta.get('compile_seconds')} s")
     return 0

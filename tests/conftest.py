@@ -88,10 +88,12 @@ def hf_model():
 
 def _lost_its_graphs(model) -> bool:
     """True when a Dynamo reset (torch._dynamo.explain makes one) discarded the graphs `model` had
-    compiled: its next call would compile again, which tests of recompiles must not see."""
+    traced: its next call would compile again, which tests of recompiles must not see. (Graphs
+    loaded from the compile cache were never Dynamo's.)"""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return any(backend.log.graphs and not _debug_get_cache_entry_list(model._fns[role]._torchdynamo_orig_callable)
+    return any(any(not report.loaded for report in backend.log.graphs)
+               and not _debug_get_cache_entry_list(model._fns[role]._torchdynamo_orig_callable)
                for role, backend in model.backends.items())
 
 

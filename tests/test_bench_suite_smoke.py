@@ -15,7 +15,8 @@ import torch
 from tiny_checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_FIELDS = {"engine", "format", "label", "load_s", "compile_s", "warm_start_s", "first_token_s", "warm_first_token_s", "prefill_tok_s", "decode_tok_s",
+ROW_FIELDS = {"engine", "format", "label", "load_s", "compile_s", "warm_start_s", "first_token_s", "warm_first_token_s",
+              "process_first_token_s", "warm_process_first_token_s", "prefill_tok_s", "decode_tok_s",
               "peak_rss_mib", "weight_bytes_per_token", "expert_bytes", "weight_bytes_per_step", "vs_transformers",
               "roofline_fraction", "errors", "notes", "jobs"}
 

@@ -10,6 +10,7 @@ from graph_checks import assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from qrt import cli
 from qrt.runtime.compile_cache import MAGIC, CompileCache, checkpoint_identity, entry_key, list_entries
+from qrt.runtime.direct_graph import DirectGraph
 from tiny_checkpoints import edited_copy
 
 PROMPT = [5, 9, 2, 7, 11]
@@ -40,9 +41,28 @@ def test_second_start_loads_the_graphs_and_decodes_the_same(llama_dir, cache_dir
     second = start(llama_dir)
     assert second.cache_hit is True
     assert "loaded compiled graphs from cache" in capfd.readouterr().err
+    # The graphs themselves came from the entry: called without tracing the model at all.
+    assert second.loaded_roles == {"prefill", "decode"}
+    assert second.generate(PROMPT, max_new_tokens=8, stop_at_eos=False) == expected
+    assert all(backend.last_compiled is None for backend in second.backends.values())
+    assert_one_graph_per_role(second, forward=False)
+    # Through Dynamo (traced on entering `guarded`), with every step under its recompile check.
     assert decode_without_recompiles(second, PROMPT, 8) == expected
+    assert second.loaded_roles == set()
     assert_one_graph_per_role(second, forward=False)
     assert list(cache_dir.joinpath("compiled").glob("*.qrtc")) == [entry]  # a hit writes nothing new
+
+
+def test_a_loaded_graph_refuses_weights_it_was_not_compiled_for(llama_dir, cache_dir):
+    start(llama_dir, progress=False)
+    loaded = start(llama_dir, progress=False)
+    decode = loaded.direct["decode"]
+    state = {**dict(loaded.model.named_parameters()), **dict(loaded.model.named_buffers())}
+    name = next(i.name for i in decode.spec.inputs if i.kind == "state" and "norm" in i.name)
+    with pytest.raises(ValueError, match=rf"decode graph: '{name}' is torch.float64 .* compiled for torch.float32"):
+        DirectGraph(decode.fn, decode.spec, {**state, name: state[name].double()}, "decode")
+    with pytest.raises(ValueError, match=rf"decode graph: the model has no weight or buffer '{name}'"):
+        DirectGraph(decode.fn, decode.spec, {k: v for k, v in state.items() if k != name}, "decode")
 
 
 # Two kinds of damage by default (a short file, a checksum mismatch); the other two in `make test-slow`.
@@ -96,6 +116,7 @@ def test_cli_lists_and_clears_entries(llama_dir, cache_dir, capsys):
     assert cli.main(["cache", "list"]) == 0
     listing = capsys.readouterr().out
     assert "1 entries" in listing and str(llama_dir) in listing and "max_seq_len=64" in listing
+    assert "  graphs  " in listing  # the step graphs themselves, not torch's caches
     only_entry(cache_dir).write_bytes(b"broken")
     assert cli.main(["cache", "list"]) == 0
     assert "UNUSABLE" in capsys.readouterr().out

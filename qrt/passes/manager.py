@@ -39,6 +39,7 @@ class GraphReport:
     passes: list[PassRecord] = field(default_factory=list)
     kernel_choices: list = field(default_factory=list)  # per linear (and experts block)
     attention_choices: list = field(default_factory=list)  # per decode-attention call
+    loaded: bool = False  # from qrt's compile cache, with its graph, rather than from a Dynamo trace
 
 
 def run_passes(gm: torch.fx.GraphModule, report: GraphReport, passes=DEFAULT_PASSES, keep_code=True,

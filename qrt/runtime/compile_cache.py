@@ -1,12 +1,17 @@
 """qrt's compile cache: the compiled graphs of one (qrt, torch, checkpoint, format, device, shapes)
 combination, kept as one file so that a second process starts without compiling.
 
-An entry holds what torch's own caches need to serve every compile of `warmup()` (AOTAutograd and
-Inductor's FX graph cache, autotuning results, the dynamic-shape profile), as
-`torch.compiler.save_cache_artifacts()` serializes them. A start that finds its entry hands it to
-`torch.compiler.load_cache_artifacts()` before compiling, and every compile is then a cache hit.
-Those caches key each graph on its own contents, so a stale artifact is never used for a graph it
-does not match; the entry's key (below) makes sure it belongs to this model at all.
+An entry holds one of two payloads (its metadata's "payload" says which; `CompiledModel` writes
+and reads them, docs/startup.md):
+- "graphs": each step graph as a serialized artifact of Inductor's `standalone_compile`, with
+  the spec that binds it to a model's weights (runtime/direct_graph.py): a start that finds it
+  calls the graphs without tracing the model;
+- "torch caches": what torch's own caches need to serve every compile of `warmup()`
+  (AOTAutograd and Inductor's FX graph cache, autotuning results, the dynamic-shape profile), as
+  `torch.compiler.save_cache_artifacts()` serializes them; a start hands it to
+  `torch.compiler.load_cache_artifacts()` and every compile is then a cache hit. Those caches key
+  each graph on its own contents, so a stale artifact is never used for a graph it does not match.
+The entry's key (below) makes sure it belongs to this model at all.
 
 File layout (`<root>/compiled/<key>.qrtc`): the magic line, one JSON line of metadata (what the
 entry is for, the payload's size and SHA-256), then the payload. Entries are written to a

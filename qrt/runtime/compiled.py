@@ -3,6 +3,7 @@
 import contextlib
 import itertools
 import os
+import pickle
 import sys
 import time
 import types
@@ -18,14 +19,15 @@ from qrt.checkpoint.source import open_checkpoint
 from qrt.checkpoint.tokenizer import eos_token_ids
 from qrt.formats.resolve import resolve_scheme
 from qrt.layers.prepack import prepack_cpu_weights
-from qrt.passes.backend import QrtBackend
+from qrt.passes.backend import QrtBackend, aot_supported, load_artifact
 
 from . import structured
 from .compile_cache import (CompileCache, checkpoint_identity, entry_key, last_cold_compile_seconds,
                             use_qrt_inductor_dir)
-from .direct_graph import DirectGraph
+from .direct_graph import DirectGraph, GraphSpec
 from .distributed import rank_device, tensor_parallel
 from .engine import Engine, Request
+from .isa_probe import remember_isa_probes
 from .logprobs import check_top
 from .malloc import map_large_allocations
 from .prefix_cache import PrefixCache
@@ -99,6 +101,8 @@ def compile_model(
 
         path = default_model_path(progress=progress)
     map_large_allocations()
+    if compile:
+        remember_isa_probes()
     parallel = tensor_parallel(tp, torch.device(device_config.device if device_config else device))
     progress = progress and parallel.rank == 0
     if parallel.sharded:
@@ -183,9 +187,12 @@ def _one_slot(model, input_ids, positions, keys, slots):
 
 
 # The tensors of each step graph, by name, in the order they are passed.
-_STEP_INPUTS = {"decode": ("input_ids", "positions", "keys"), "verify": ("input_ids", "positions", "keys"),
-                "decode_slot": ("input_ids", "positions", "keys", "slots"),
-                "verify_slot": ("input_ids", "positions", "keys", "slots")}
+_GRAPH_INPUTS = {"prefill": ("input_ids", "positions", "keys", "slots", "logits_at"),
+                 "decode": ("input_ids", "positions", "keys"), "verify": ("input_ids", "positions", "keys"),
+                 "decode_slot": ("input_ids", "positions", "keys", "slots"),
+                 "verify_slot": ("input_ids", "positions", "keys", "slots")}
+# The dynamic sizes in words, for a direct call's errors, by where they appear first.
+_SIZE_NAMES = {("input_ids", 1): "chunk length", ("keys", 0): "attended length"}
 
 
 def _forward(model, input_ids):
@@ -235,18 +242,24 @@ class CompiledModel:
         self.prefix_cache = PrefixCache(self.max_batch_size)
         model.compile_layers_once = compile and build == "regional"
         freeze = build == "frozen" and self.device.type == "cpu"
+        # Whether the compile cache keeps the step graphs themselves, so that a later start calls
+        # them without tracing the model (warmup); otherwise it keeps torch's own caches, which
+        # serve a trace's compile. Not for sharded ranks, whose graphs hold their process group.
+        self.saves_graphs = compile_cache is not None and not self.parallel.sharded and aot_supported()
         # Only decode is autotuned: it is the hot loop and its shapes are fixed; prefill is
         # dynamic in length, where autotuning would pick for one length.
-        self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode")
+        self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode",
+                                          aot=self.saves_graphs and role in _GRAPH_INPUTS)
                          for role in ("prefill", "decode", "decode_slot", "verify", "verify_slot", "forward")}
         # Dynamo decides while tracing whether parameters become constants (Inductor freezing),
         # so the flag must be on around every call that may trace, not only inside the backend.
         self._trace_config = {"freezing": True} if freeze and compile else {}
         self.compile_seconds: dict[str, float] = {}
-        # The decode and verify graphs called without Dynamo once compiled (direct_graph.py), by
+        # The step graphs called without Dynamo once compiled or loaded (direct_graph.py), by
         # role; absent until then, or where its inputs cannot be told apart. `guarded()` turns
         # them off for a while.
         self.direct: dict[str, DirectGraph] = {}
+        self.loaded_roles: set[str] = set()  # the roles whose graphs came from the compile cache untraced
         self._guarded = False
         # One function may serve two roles: own_copy gives each role its own code object.
         fns = {"prefill": _prefill, "decode": _decode, "decode_slot": _one_slot, "verify": _decode,
@@ -379,7 +392,7 @@ class CompiledModel:
         cache up to them; float32 logits [V] of the last one. with_hidden: also the final hidden
         states of every token ([T, D]), for `position_logits`."""
         self.prefix_cache.overwritten(slot, start)
-        logits, hidden = self._run("prefill", *self._prefill_inputs(tokens, start, slot))
+        logits, hidden = self._graph("prefill", self._prefill_inputs(tokens, start, slot))
         return (logits[0, 0], hidden[0, :len(tokens)]) if with_hidden else logits[0, 0]
 
     def position_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -432,32 +445,51 @@ class CompiledModel:
         rows = range(len(tokens)) if slots is None else slots[:, 0].tolist()
         for slot, position in zip(rows, positions[:, 0].tolist()):
             self.prefix_cache.overwritten(slot, position)
+        if role in self.direct and not self._guarded:
+            return self._graph(role, self._step_tensors(tokens, positions, attended, slots))
+        return self._graph(role, self._step_inputs(tokens, positions, attended, slots))
+
+    def _graph(self, role: str, inputs: tuple):
+        """Run `role`'s graph on its inputs (_GRAPH_INPUTS[role], in order): called directly
+        where it can be, else through Dynamo, compiling it on the first call. What the role's
+        function returns (logits; prefill: logits and hidden states)."""
         direct = self.direct.get(role)
         if direct is not None and not self._guarded:
-            inputs = self._step_tensors(tokens, positions, attended, slots)
-            return direct(dict(zip(_STEP_INPUTS[role], inputs)), len(inputs[2]))[0]
-        inputs = self._step_inputs(tokens, positions, attended, slots)
-        graphs_before = len(self.backends[role].log.graphs)
-        logits = self._run(role, *inputs)
-        if len(self.backends[role].log.graphs) > graphs_before:  # this call compiled it
+            outputs = direct(dict(zip(_GRAPH_INPUTS[role], inputs)))
+            return tuple(outputs) if role == "prefill" else outputs[0]
+        compiled_before = self.backends[role].last_compiled
+        returned = self._run(role, *inputs)
+        if self.backends[role].last_compiled is not compiled_before:  # this call compiled it
             self._capture_direct(role, inputs)
-        return logits
+        return returned
 
     def _capture_direct(self, role: str, inputs: tuple) -> None:
         """After a call that compiled `role`'s graph: keep it, to be called without Dynamo."""
-        state = [*self.model.parameters(), *self.model.buffers()]
-        direct = DirectGraph.capture(self.backends[role].last_compiled, dict(zip(_STEP_INPUTS[role], inputs)), state,
-                                     dynamic=("keys", 0), size_range=(2, self.max_seq_len - 1), role=role)
-        if direct is not None:
-            self.direct[role] = direct
+        compiled = self.backends[role].last_compiled
+        state = self._named_state()
+        spec = GraphSpec.describe(compiled, dict(zip(_GRAPH_INPUTS[role], inputs)),
+                                  {id(tensor): name for name, tensor in reversed(state.items())},
+                                  outputs=2 if role == "prefill" else 1)
+        if spec is not None:
+            self.direct[role] = DirectGraph(compiled.fn, spec, state, role, _SIZE_NAMES)
+            self.loaded_roles.discard(role)
+
+    def _named_state(self) -> dict[str, torch.Tensor]:
+        """Every weight and buffer of the model by qualified name (a tied one under each name)."""
+        return {**dict(self.model.named_parameters(remove_duplicate=False)),
+                **dict(self.model.named_buffers(remove_duplicate=False))}
 
     @contextlib.contextmanager
     def guarded(self):
         """Decode through Dynamo and its guards inside this block, as every step did before the
         direct call: a step that would need another graph then compiles one, or raises under
-        `torch.compiler.set_stance("fail_on_recompile")`, which is how the recompile checks run."""
+        `torch.compiler.set_stance("fail_on_recompile")`, which is how the recompile checks run.
+        Graphs that came from the compile cache were never traced here: they are traced first
+        (warmup's filler tokens in slot 0, so enter this between requests)."""
         previous, self._guarded = self._guarded, True
         try:
+            for role in sorted(self.loaded_roles):
+                self._warm(role)
             yield self
         finally:
             self._guarded = previous
@@ -499,11 +531,11 @@ class CompiledModel:
 
     def _step_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
                       slots: torch.Tensor | None = None) -> tuple:
-        """A step graph's inputs (_STEP_INPUTS): ids, positions [R, W], keys [S'] (and slots [R, W])."""
+        """A step graph's inputs (_GRAPH_INPUTS): ids, positions [R, W], keys [S'] (and slots [R, W])."""
         # At least 2 keys, because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
         keys = torch.arange(max(attended, 2), dtype=torch.long, device=self.device)  # [S']
-        inputs = tokens.to(self.device), positions.to(self.device), keys
-        return inputs if slots is None else (*inputs, slots.to(self.device))
+        inputs = tokens.to(self.device).contiguous(), positions.to(self.device).contiguous(), keys
+        return inputs if slots is None else (*inputs, slots.to(self.device).contiguous())
 
     def _step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
                      slots: torch.Tensor | None = None) -> tuple:
@@ -558,33 +590,33 @@ class CompiledModel:
     def warmup(self) -> None:
         """Compile the step graphs (`_roles`) now, or load them from qrt's compile cache, saying
         which and how long it took."""
-        entry = self._load_cached_graphs()
-        self.cache_hit = entry is not None
-        if entry is not None:
-            self._say("qrt: loading compiled graphs from cache …")
-        elif self.compile_cache is not None:
+        started = time.perf_counter()
+        loaded = self._load_cached_graphs()
+        self.cache_hit = loaded is not None
+        if loaded is None and self.compile_cache is not None:
             guess = last_cold_compile_seconds(str(self.device)) or _FIRST_COMPILE_GUESS_S
             self._say(f"qrt: compiling (first run for this model, about {guess:.0f} s)")
-        started = time.perf_counter()
         # A fresh record of cache artifacts, so that the entry holds this model's graphs only
         # (torch versions without it record the whole process's, which is safe, only larger).
         with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
             roles = self._roles()
             for role in roles:
+                if role in self.loaded_roles:
+                    continue
                 role_started = time.perf_counter()
-                if entry is None:
+                if loaded is None:
                     self._say(f"qrt: compiling {role} …")
                 self._warm(role)
                 self.compile_seconds[role] = time.perf_counter() - role_started
-                if entry is None:
+                if loaded is None:
                     self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
             if "decode_slot" in roles:
                 self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
-            if entry is not None:
+            if loaded is not None:
                 self._say(f"qrt: loaded compiled graphs from cache in {total:.1f} s")
             elif self.compile_cache is not None:
-                self._store_compiled_graphs(total)
+                self._store_compiled_graphs(roles, total)
 
     def _one_slot_matches(self) -> bool:
         """Whether decode_slot (and verify_slot) give slot 0 the bits that the graphs of every
@@ -629,32 +661,65 @@ class CompiledModel:
             print(line, file=sys.stderr, flush=True)
 
     def _load_cached_graphs(self) -> dict | None:
-        """Hand the cache entry's artifacts to torch's caches; its metadata, or None on a miss."""
+        """Load the cache entry: its step graphs, to be called without tracing the model (those
+        roles go to `loaded_roles`), or, for an entry of torch's own caches, hand those to torch.
+        The entry's metadata, or None on a miss (an unusable entry is reported and deleted)."""
         if self.compile_cache is None:
             return None
         found = self.compile_cache.load(report=self._say_always)
         if found is None:
             return None
         meta, payload = found
+        self._say("qrt: loading compiled graphs from cache …")
         try:
+            if meta.get("payload") == "graphs":
+                self._adopt_graphs(pickle.loads(payload))
+                return meta
             loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as err:  # noqa: BLE001  (any failure to deserialize means: rebuild it)
             loaded, problem = None, f"{type(err).__name__}: {err}"
         else:
             problem = "torch could not deserialize its artifacts"
         if loaded is None:  # torch logs and returns None for a payload it cannot read
+            self._forget_loaded_graphs()
             self.compile_cache.discard(problem, report=self._say_always)
             return None
         return meta
 
-    def _store_compiled_graphs(self, seconds: float) -> None:
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            return
-        payload, _ = saved
+    def _adopt_graphs(self, graphs: dict) -> None:
+        """Take an entry's graphs, by role: each artifact called directly on this model's
+        weights (checked against what it was compiled for), with its compile report."""
+        state = self._named_state()
+        for role, saved in graphs.items():
+            self.direct[role] = DirectGraph(load_artifact(saved["artifact"]), saved["spec"], state, role, _SIZE_NAMES)
+            saved["report"].loaded = True
+            self.backends[role].log.graphs[:] = [saved["report"]]
+            self.loaded_roles.add(role)
+
+    def _forget_loaded_graphs(self) -> None:
+        for role in self.loaded_roles:
+            self.direct.pop(role, None)
+            self.backends[role].log.graphs.clear()
+        self.loaded_roles.clear()
+
+    def _store_compiled_graphs(self, roles: tuple[str, ...], seconds: float) -> None:
+        """Write the cache entry: the roles' graphs and how to call them where the backends
+        saved them (`saves_graphs`; a role without them is traced again at the next start),
+        else torch's own cache artifacts."""
+        if self.saves_graphs:
+            graphs = {role: {"artifact": self.backends[role].last_compiled.artifact, "spec": self.direct[role].spec,
+                             "report": self.backends[role].log.graphs[-1]}
+                      for role in roles if role in self.direct and self.backends[role].last_compiled is not None}
+            payload, kind = pickle.dumps(graphs), "graphs"
+        else:
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is None:
+                return
+            payload, kind = saved[0], "torch caches"
         try:
             self.compile_cache.store(payload, {"device": str(self.device), "compile_seconds": round(seconds, 1),
-                                               "source": str(self.source), "quant": self.scheme.describe()})
+                                               "source": str(self.source), "quant": self.scheme.describe(),
+                                               "payload": kind})
         except OSError as err:  # a read-only or full cache folder must not stop the model
             self._say_always(f"qrt: could not write the compile cache entry {self.compile_cache.path}: {err}")
 
