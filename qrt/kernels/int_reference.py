@@ -28,11 +28,6 @@ def pack_factor(bits: int) -> int:
     return 32 // bits
 
 
-# Columns packed or unpacked at a time: the int64 temporaries of a whole lm_head (49152 columns)
-# came to several hundred MiB, the peak of loading an int4 model.
-_COLUMNS_PER_CHUNK = 4096
-
-
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned `bits`-wide values along dim 0, LSB-first, into int32 words.
 
@@ -41,14 +36,17 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """
     pf = pack_factor(bits)
     rows, cols = values.shape
-    out = torch.empty(-(-rows // pf), cols, dtype=torch.int32, device=values.device)
-    shifts = (torch.arange(pf, device=values.device, dtype=torch.int64) * bits)[None, :, None]
-    for start in range(0, cols, _COLUMNS_PER_CHUNK):
-        part = values[:, start : start + _COLUMNS_PER_CHUNK]
-        padded = torch.zeros(out.shape[0] * pf, part.shape[1], dtype=torch.int64, device=values.device)
-        padded[:rows] = part.to(torch.int64)
-        words = (padded.view(-1, pf, part.shape[1]) << shifts).sum(dim=1)  # [R / pf, c], fields never overlap
-        out[:, start : start + part.shape[1]] = _as_int32(words)
+    words = -(-rows // pf)
+    codes = values.to(torch.int32)
+    if words * pf != rows:
+        codes = torch.cat([codes, codes.new_zeros(words * pf - rows, cols)])
+    fields = codes.view(words, pf, cols)  # [R / pf, pf, C]: field i of each word
+    # In int32 throughout: the fields never overlap, and the top field's high bit shifts into
+    # the sign bit, which is the packed word's bit pattern. (int64 temporaries of the whole
+    # tensor made loading an int4 model take seconds.)
+    out = fields[:, 0].clone()
+    for field in range(1, pf):
+        out |= fields[:, field] << (field * bits)
     return out
 
 
@@ -57,22 +55,16 @@ def unpack_rows(packed: torch.Tensor, bits: int, rows: int, dtype: torch.dtype =
     (int32, or uint8 for bits <= 8)."""
     pf = pack_factor(bits)
     if bits == 8 and dtype == torch.uint8 and sys.byteorder == "little":
-        # Byte i of each word is row 4 r + i (LSB-first): a view and one copy, where the shifts
-        # below make int64 temporaries of 32x the codes' size per chunk.
+        # Byte i of each word is row 4 r + i (LSB-first): a view and one copy.
         as_bytes = packed.contiguous().view(torch.uint8).view(packed.shape[0], packed.shape[1], 4)  # [R / 4, C, 4]
         return as_bytes.permute(0, 2, 1).reshape(-1, packed.shape[1])[:rows].contiguous()
-    out = torch.empty(rows, packed.shape[1], dtype=dtype, device=packed.device)
-    shifts = (torch.arange(pf, device=packed.device, dtype=torch.int64) * bits)[None, :, None]
-    for start in range(0, packed.shape[1], _COLUMNS_PER_CHUNK):
-        words = packed[:, start : start + _COLUMNS_PER_CHUNK].to(torch.int64) & 0xFFFFFFFF  # as unsigned
-        fields = (words[:, None, :] >> shifts) & ((1 << bits) - 1)  # [R / pf, pf, c]
-        out[:, start : start + words.shape[1]] = fields.reshape(-1, words.shape[1])[:rows]
-    return out
-
-
-def _as_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 holding uint32 bit patterns -> the same bits as int32 (two's-complement wrap)."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    out = torch.empty(packed.shape[0], pf, packed.shape[1], dtype=dtype, device=packed.device)  # [R / pf, pf, C]
+    mask = (1 << bits) - 1
+    for field in range(pf):
+        # An arithmetic shift of a negative word brings copies of the sign bit in from the top;
+        # the mask keeps only the field.
+        out[:, field] = (packed >> (field * bits)) & mask
+    return out.view(-1, packed.shape[1])[:rows].contiguous()
 
 
 def dequantize_int(qweight, scales, zeros, bits: int, group_size: int, k: int) -> torch.Tensor:
