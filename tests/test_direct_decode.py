@@ -56,3 +56,28 @@ def test_direct_decode_refuses_what_the_graph_was_not_compiled_for(compiled, lla
     # Through Dynamo the same int32 step would have needed a graph of its own.
     with pytest.raises(RuntimeError, match="fail_on_recompile|Detected recompile"), no_recompiles(model):
         model.decode_step(tokens.int(), positions, 4)
+
+
+def test_prefill_skips_dynamo_and_gives_the_guarded_prefills_logits(compiled, llama_dir):
+    model = compiled(llama_dir)
+    assert "prefill" in model.direct, "the warmed-up prefill graph was not captured"
+    counting = CountingCalls(model._fns["prefill"])
+    model._fns["prefill"] = counting
+    try:
+        # Chunks of other lengths at other offsets: both of the graph's sizes vary.
+        chunks = [(list(range(20, 29)), 0), (list(range(40, 43)), 9)]
+        direct = [model.prefill_chunk(tokens, start, 0, with_hidden=True) for tokens, start in chunks]
+        assert counting.calls == 0
+        with no_recompiles(model):
+            guarded = [model.prefill_chunk(tokens, start, 0, with_hidden=True) for tokens, start in chunks]
+        assert counting.calls == 2
+    finally:
+        model._fns["prefill"] = counting.fn
+    for (logits, hidden), (want_logits, want_hidden) in zip(direct, guarded):
+        assert torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)
+
+
+def test_direct_prefill_refuses_sizes_outside_its_ranges(compiled, llama_dir):
+    model = compiled(llama_dir)
+    with pytest.raises(ValueError, match=r"prefill step: attended length 128 is outside the range \[2, 127\]"):
+        model.prefill_chunk(list(range(10, 20)), model.max_seq_len - 10, 0)
