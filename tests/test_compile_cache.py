@@ -53,6 +53,7 @@ def test_second_start_loads_the_graphs_and_decodes_the_same(llama_dir, cache_dir
     assert list(cache_dir.joinpath("compiled").glob("*.qrtc")) == [entry]  # a hit writes nothing new
 
 
+@pytest.mark.slow  # two more starts of the tiny model (about 15 s); the test above covers the warm path
 def test_a_loaded_graph_refuses_weights_it_was_not_compiled_for(llama_dir, cache_dir):
     start(llama_dir, progress=False)
     loaded = start(llama_dir, progress=False)
