@@ -29,8 +29,7 @@ class CompiledGraph:
     caches and that call's own tensors and sizes), each input's traced value (fake tensors with
     their symbolic sizes, or the size symbols themselves), the range of every size symbol (None
     where a guard constrains the sizes in another way than a range), the symbols guarded equal,
-    and the serialized function
-    where it was compiled to be saved (`QrtBackend(aot=True)`)."""
+    and the serialized function where it was compiled to be saved (`QrtBackend(aot=True)`)."""
 
     fn: Callable
     inputs: tuple
@@ -109,7 +108,6 @@ class QrtBackend:
                 compiled = compile_fx(gm, example_inputs)
         self.last_compiled = CompiledGraph(compiled, tuple(example_inputs), traced, outputs, *symbol_ranges(), artifact)
         return compiled
-
 
     def _compile_saveable(self, gm: torch.fx.GraphModule, example_inputs) -> tuple[Callable | None, bytes | None]:
         """The graph compiled into a serializable artifact, and the artifact's bytes; (None, None)
