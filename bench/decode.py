@@ -85,6 +85,7 @@ def bench_qrt(path: Path, quant: str | None, engine: str, ids: list[int], args) 
     started = time.perf_counter()
     model = compile_model(path, quant, warmup=False, progress=False)
     load_s = time.perf_counter() - started
+    model.engine.prefix_caching = False  # each run prefills its (repeated) prompt whole, uncached
     log(f"{engine}: compiling")
     compile_s = wall_time(model.warmup)
 
