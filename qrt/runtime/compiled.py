@@ -709,7 +709,7 @@ class CompiledModel:
         if self.saves_graphs:
             graphs = {role: {"artifact": self.backends[role].last_compiled.artifact, "spec": self.direct[role].spec,
                              "report": self.backends[role].log.graphs[-1]}
-                      for role in roles if role in self.direct and self.backends[role].last_compiled is not None}
+                      for role in roles if role in self.direct and getattr(self.backends[role].last_compiled, "artifact", None)}
             payload, kind = pickle.dumps(graphs), "graphs"
         else:
             saved = torch.compiler.save_cache_artifacts()
