@@ -77,6 +77,9 @@ def test_profile_decode_accounts_for_the_whole_step(one_layer_llama, tmp_path):
     assert 95 <= sum(int(share) for share in shares.values()) <= 110, out
     assert re.search(r"attention: [\d.]+ ms a step for [\d.]+ MB of K and V .*, [\d.]+× the time", out), out
     assert re.search(r"outside kernels .*: [\d.]+ ms, \d+% of the profiled step", out), out
+    unprofiled = re.search(r"outside kernels without the profiler .*: ([\d.]+) ms, (\d+)% of the step", out)
+    step_ms = float(re.search(r"decode step: ([\d.]+) ms without the profiler", out).group(1))
+    assert unprofiled and float(unprofiled.group(1)) <= step_ms, out
 
 
 def test_kv_bytes_per_step_counts_every_layers_k_and_v(one_layer_llama):

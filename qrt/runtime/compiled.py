@@ -191,6 +191,9 @@ _GRAPH_INPUTS = {"prefill": ("input_ids", "positions", "keys", "slots", "logits_
                  "decode": ("input_ids", "positions", "keys"), "verify": ("input_ids", "positions", "keys"),
                  "decode_slot": ("input_ids", "positions", "keys", "slots"),
                  "verify_slot": ("input_ids", "positions", "keys", "slots")}
+# The dims whose sizes vary between calls of a role's graph (from 2: Dynamo specializes 0 and 1).
+_DYNAMIC_DIMS = {"prefill": (("input_ids", 1), ("positions", 1), ("keys", 0)),
+                 **{role: (("keys", 0),) for role in ("decode", "decode_slot", "verify", "verify_slot")}}
 # The dynamic sizes in words, for a direct call's errors, by where they appear first.
 _SIZE_NAMES = {("input_ids", 1): "chunk length", ("keys", 0): "attended length"}
 
@@ -445,9 +448,7 @@ class CompiledModel:
         rows = range(len(tokens)) if slots is None else slots[:, 0].tolist()
         for slot, position in zip(rows, positions[:, 0].tolist()):
             self.prefix_cache.overwritten(slot, position)
-        if role in self.direct and not self._guarded:
-            return self._graph(role, self._step_tensors(tokens, positions, attended, slots))
-        return self._graph(role, self._step_inputs(tokens, positions, attended, slots))
+        return self._graph(role, self._step_tensors(tokens, positions, attended, slots))
 
     def _graph(self, role: str, inputs: tuple):
         """Run `role`'s graph on its inputs (_GRAPH_INPUTS[role], in order): called directly
@@ -458,7 +459,7 @@ class CompiledModel:
             outputs = direct(dict(zip(_GRAPH_INPUTS[role], inputs)))
             return tuple(outputs) if role == "prefill" else outputs[0]
         compiled_before = self.backends[role].last_compiled
-        returned = self._run(role, *inputs)
+        returned = self._run(role, *self._traceable(role, inputs))
         if self.backends[role].last_compiled is not compiled_before:  # this call compiled it
             self._capture_direct(role, inputs)
         return returned
@@ -499,12 +500,12 @@ class CompiledModel:
         at position 2, the others idle) or verify (slot 0 feeding k + 1 tokens from position 2)
         graph gets them, for tools that trace the model."""
         if role == "prefill":
-            return self._prefill_inputs(list(range(3, 9)), 0, 0)
+            return self._traceable(role, self._prefill_inputs(list(range(3, 9)), 0, 0))
         if role == "verify":
             tokens, positions, attended = self._slot0_check(3, self.speculative.width if self.speculative else 2)
-            return self._step_inputs(tokens, positions, attended)
+            return self._traceable(role, self._step_tensors(tokens, positions, attended))
         tokens, positions = self._slot0_step(3, 2)
-        return self._step_inputs(tokens.view(-1, 1), positions.view(-1, 1), 3)
+        return self._traceable(role, self._step_tensors(tokens.view(-1, 1), positions.view(-1, 1), 3))
 
     def _prefill_inputs(self, tokens: list[int], start: int, slot: int) -> tuple:
         length = len(tokens)
@@ -517,14 +518,6 @@ class CompiledModel:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         positions = torch.arange(start, start + length, dtype=torch.long, device=self.device)[None]  # [1, T]
         keys = torch.arange(start + length, dtype=torch.long, device=self.device)  # [S'] = 0..start+T-1
-        # Lengths vary: dynamic dims keep one graph for all. Only these dims: `dynamic=True` would
-        # also turn Python floats (norm eps, fp8 limits) into graph inputs. They stay below the
-        # cache size (a prompt leaves room for a new token): slicing the whole cache would be
-        # traced as a special case.
-        limit = self.max_seq_len - 1
-        torch._dynamo.mark_dynamic(ids, 1, min=2, max=limit)
-        torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
-        torch._dynamo.mark_dynamic(keys, 0, min=2, max=limit)
         slots = torch.tensor([slot], dtype=torch.long, device=self.device)  # [1]
         index = torch.tensor([logits_at], dtype=torch.long, device=self.device)  # [1]
         return ids, positions, keys, slots, index
@@ -537,12 +530,15 @@ class CompiledModel:
         inputs = tokens.to(self.device).contiguous(), positions.to(self.device).contiguous(), keys
         return inputs if slots is None else (*inputs, slots.to(self.device).contiguous())
 
-    def _step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
-                     slots: torch.Tensor | None = None) -> tuple:
-        """_step_tensors, for a call through Dynamo: the attended length grows every step, and a
-        dynamic dim keeps it one graph."""
-        inputs = self._step_tensors(tokens, positions, attended, slots)
-        torch._dynamo.mark_dynamic(inputs[2], 0, min=2, max=self.max_seq_len - 1)
+    def _traceable(self, role: str, inputs: tuple) -> tuple:
+        """`role`'s inputs marked for a call through Dynamo: the chunk and attended lengths vary
+        from call to call, and dynamic dims keep one graph for all (_DYNAMIC_DIMS). Only these
+        dims: `dynamic=True` would also turn Python floats (norm eps, fp8 limits) into graph
+        inputs. They stay below the cache size (a prompt leaves room for a new token): slicing
+        the whole cache would be traced as a special case. A direct call needs no marks."""
+        named = dict(zip(_GRAPH_INPUTS[role], inputs))
+        for name, dim in _DYNAMIC_DIMS[role]:
+            torch._dynamo.mark_dynamic(named[name], dim, min=2, max=self.max_seq_len - 1)
         return inputs
 
     def idle_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
