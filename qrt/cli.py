@@ -17,6 +17,7 @@ from qrt.runtime.compiled import BUILDS
 from qrt.runtime.distributed import leave_process_group
 from qrt.runtime.evaluate import DEFAULT_WINDOW
 from qrt.runtime.speculative import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
+from qrt.server.tools import READERS as TOOL_CALL_READERS
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                      help="prefill every prompt whole, even where a free KV-cache slot holds its first chunks "
                           "(reuse never changes a result; it only saves time)")
+    srv.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_READERS), default="auto",
+                     help="how tool_choice \"auto\" reads the model's calls (default: from the chat template)")
     srv.add_argument("--served-model-name", default=None,
                      help="the `model` clients send (default: the checkpoint folder's name, or 'default')")
     srv.set_defaults(handler=_serve)
@@ -225,7 +228,7 @@ def _serve(args) -> int:
                                   speculative=_speculative(args)),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
-                 max_batch=args.max_batch, prefix_caching=args.prefix_caching)
+                 max_batch=args.max_batch, prefix_caching=args.prefix_caching, tool_call_parser=args.tool_call_parser)
 
 
 def _eval(args) -> int:

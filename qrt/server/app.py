@@ -35,8 +35,10 @@ class ApiError(Exception):
 
 
 def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: int = 64,
-               max_body_bytes: int = 1 << 20, drain_timeout_s: float = 600) -> FastAPI:
-    """loop: an EngineLoop, started with the app and stopped (after its requests finish) with it."""
+               max_body_bytes: int = 1 << 20, drain_timeout_s: float = 600, tool_call_parser: str = "auto") -> FastAPI:
+    """loop: an EngineLoop, started with the app and stopped (after its requests finish) with it.
+    tool_call_parser: how "auto" tool choice reads calls (tools.READERS), or "auto" for the one
+    of the chat template's family."""
     metrics = loop.metrics
 
     @asynccontextmanager
@@ -169,8 +171,9 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         running = [loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
+        reader = tools.reader_for(model.tokenizer.chat_template) if tool_call_parser == "auto" else tool_call_parser
         reply = _Reply(chat, model_name, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts,
-                       body.tools if chat else None, body.tool_mode() if chat else None)
+                       body.tools if chat else None, body.tool_mode() if chat else None, reader)
         if body.stream:
             return StreamingResponse(_stream(running, reply, body.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -327,10 +330,12 @@ class _Reply:
     """The response and stream-chunk JSON of one request (one choice per prompt)."""
 
     def __init__(self, chat: bool, model_name: str, prompt_tokens: int, shapes: LogprobShapes, scoring: Scoring,
-                 prompts: list[Prompt], offered: list | None = None, tool_mode: str | None = None):
+                 prompts: list[Prompt], offered: list | None = None, tool_mode: str | None = None,
+                 reader: str = "hermes"):
         self.chat, self.model, self.prompt_tokens = chat, model_name, prompt_tokens
         self.shapes, self.scoring, self.prompts = shapes, scoring, prompts
         self.offered, self.tool_mode = offered, tool_mode  # the request's tools, and tools.py's mode
+        self.reader = reader  # tools.READERS' key for "auto"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.sent = [[] for _ in prompts]  # per choice, the ids whose text went out (for text_offset)
@@ -384,7 +389,7 @@ class _Reply:
         A complete answer in a tool mode is read for calls; one cut short stays text."""
         if self.tool_mode is None or seq.finish_reason != STOP:
             return {"content": seq.text}, seq.finish_reason
-        content, calls = tools.read_answer(seq.text, self.offered, self.tool_mode)
+        content, calls = tools.read_answer(seq.text, self.offered, self.tool_mode, self.reader)
         if not calls:
             return {"content": content}, seq.finish_reason
         return {"content": content, "tool_calls": calls}, "tool_calls"

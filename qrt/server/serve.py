@@ -10,7 +10,8 @@ from qrt.runtime.engine import DEFAULT_CHUNK
 
 def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, max_body_bytes: int = 1 << 20, chunk_size: int = DEFAULT_CHUNK,
-          max_batch: int = 8, drain_timeout_s: float = 600, prefix_caching: bool = True) -> int:
+          max_batch: int = 8, drain_timeout_s: float = 600, prefix_caching: bool = True,
+          tool_call_parser: str = "auto") -> int:
     """load(): the compiled, warm CompiledModel (called on the engine thread). Returns the exit code."""
     import uvicorn
 
@@ -37,7 +38,7 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
     metrics.slots.set(max_batch)
     metrics.watch(loop)
     app = create_app(loop, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                     max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s)
+                     max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s, tool_call_parser=tool_call_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s)
     server = uvicorn.Server(config)
