@@ -37,13 +37,13 @@ def main(argv=None) -> int:
     prompt = list(range(100, 132))  # 32 tokens
 
     def raw() -> list[int]:
-        logits = model._prefill(torch.tensor([prompt]))
+        logits = model.prefill(torch.tensor([prompt]))
         tokens = []
         for step in range(args.steps):
             token = int(logits[0, -1].argmax())
             tokens.append(token)
             if step < args.steps - 1:
-                logits = model._decode(torch.tensor([[token]]), len(prompt) + step)
+                logits = model.decode(torch.tensor([[token]]), len(prompt) + step)
         return tokens
 
     def engine() -> list[int]:

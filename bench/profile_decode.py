@@ -78,13 +78,13 @@ def kind_of(name: str) -> str:
 
 def decode_steps(model, ids: list[int], steps: int, around=contextlib.nullcontext) -> list[float]:
     """Prefill `ids`, then `steps` greedy decode steps inside `around()`; the seconds of each step."""
-    logits = model._prefill(torch.tensor([ids]))  # [1, 1, vocab]
+    logits = model.prefill(torch.tensor([ids]))  # [1, 1, vocab]
     seconds = []
     with around():
         for step in range(steps):
             started = time.perf_counter()
             token = logits[:, -1].argmax(-1)  # [1]
-            logits = model._decode(token.view(1, 1), len(ids) + step)
+            logits = model.decode(token.view(1, 1), len(ids) + step)
             seconds.append(time.perf_counter() - started)
     return seconds
 

@@ -36,14 +36,14 @@ def main() -> int:
     ids = torch.randint(10, model.vocab_size, (1, args.prompt_tokens),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model._prefill(ids)  # compiles the prefill graph
+        model.prefill(ids)  # compiles the prefill graph
         times = []
         for _ in range(args.runs):
             started = time.perf_counter()
-            model._prefill(ids)
+            model.prefill(ids)
             times.append(time.perf_counter() - started)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model._prefill(ids)
+            model.prefill(ids)
     median = statistics.median(times)
     print(f"{args.quant or 'as stored'}: prefill of {args.prompt_tokens} tokens {median * 1e3:.1f} ms median of "
           f"{args.runs} [{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}], {args.prompt_tokens / median:.0f} tok/s")

@@ -104,8 +104,8 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     ids = _ids(4, (1, 40))
     eager = runtime.compile_model(arch.folder, quant="fp8", compile=False, progress=False, max_seq_len=128)
     with torch.no_grad():
-        got = model._prefill(ids)[0, -1]
-        reference = eager._prefill(ids)[0, -1]
+        got = model.prefill(ids)[0, -1]
+        reference = eager.prefill(ids)[0, -1]
         # e4m3 weights per output channel, lm_head int8 per channel
         rounded = with_int8_lm_head(with_rounded_weights(arch.hf, fp8_per_token))
         with rounded_inputs(rounded, fp8_per_token):
@@ -145,10 +145,10 @@ def test_phi3_long_rope_switches_per_forward_pass_like_transformers_with_a_cache
     cache = transformers.DynamicCache(config=hf.config)
     with torch.no_grad():
         expected = hf(ids[:, :28], cache=cache, use_cache=True).logits[:, -1]
-        assert relative_l2(model._prefill(ids[:, :28])[:, -1], expected) < 1e-4
+        assert relative_l2(model.prefill(ids[:, :28])[:, -1], expected) < 1e-4
         for pos in range(28, 40):
             expected = hf(ids[:, pos:pos + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[pos]])).logits
-            got = model._decode(ids[:, pos:pos + 1], pos)
+            got = model.decode(ids[:, pos:pos + 1], pos)
             assert relative_l2(got[0, -1], expected[0, -1]) < 1e-4, pos
 
 

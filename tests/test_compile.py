@@ -118,7 +118,7 @@ def test_bf16_fp8_model_runs_its_codes_packed_in_pairs(llama_dir):
                                   max_seq_len=128)
     with torch.no_grad():
         got = teacher_forced_logits(model, ids, len(prompt))
-        reference = torch.stack([eager._prefill(torch.tensor([ids[:end]]))[0, -1].float()
+        reference = torch.stack([eager.prefill(torch.tensor([ids[:end]]))[0, -1].float()
                                  for end in range(len(prompt), len(ids) + 1)])
     # The same codes and scales on both sides; what differs is bf16 activations that the builds'
     # fusions round differently, some of them across an e4m3 rounding edge. Measured: 0.027, the

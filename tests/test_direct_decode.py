@@ -21,10 +21,10 @@ class CountingCalls:
 
 def _greedy_logits(model, prompt: list[int], steps: int) -> list[torch.Tensor]:
     """Each decode step's logits [V] after prefilling `prompt` into slot 0, fed greedily."""
-    logits = model._prefill(torch.tensor([prompt]))  # [1, 1, V]
+    logits = model.prefill(torch.tensor([prompt]))  # [1, 1, V]
     out = []
     for step in range(steps):
-        logits = model._decode(logits[:, -1].argmax(-1).view(1, 1), len(prompt) + step)
+        logits = model.decode(logits[:, -1].argmax(-1).view(1, 1), len(prompt) + step)
         out.append(logits[0, 0].clone())
     return out
 

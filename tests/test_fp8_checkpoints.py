@@ -158,7 +158,7 @@ def test_modelopt_fp8_kv_cache_stores_e4m3_with_the_stored_scales(checkpoints, c
     # e4m3 keeps 3 mantissa bits, so K and V carry up to 2**-4 relative error each.
     ids = _ids(5)[:1, :12]
     full = model(ids)[0]
-    model._prefill(ids[:, :8])
+    model.prefill(ids[:, :8])
     for pos in range(8, 12):
-        step = model._decode(ids[:, pos:pos + 1], pos)
+        step = model.decode(ids[:, pos:pos + 1], pos)
         assert relative_l2(step[0, -1], full[pos]) < 0.05

@@ -92,7 +92,7 @@ def test_compiled_logits_match_transformers(moe):
         ids = _ids(length, (1, length))
         with torch.no_grad():
             expected = moe.hf(ids).logits[0, -1]
-            got = moe.compiled()._prefill(ids)[0, -1]
+            got = moe.compiled().prefill(ids)[0, -1]
         assert relative_l2(got, expected) < 1e-3, length
 
 
@@ -253,8 +253,8 @@ def test_compiled_int4_experts_match_eager(qwen2_moe):
     eager = runtime.compile_model(folder, quant="int4", compile=False, progress=False, max_seq_len=64)
     prompt = list(range(20, 36))
     with torch.no_grad():
-        assert relative_l2(compiled._prefill(torch.tensor([prompt]))[0, -1],
-                           eager._prefill(torch.tensor([prompt]))[0, -1]) < 1e-3
+        assert relative_l2(compiled.prefill(torch.tensor([prompt]))[0, -1],
+                           eager.prefill(torch.tensor([prompt]))[0, -1]) < 1e-3
     assert compiled.generate(prompt, max_new_tokens=8, stop_at_eos=False) == \
         eager.generate(prompt, max_new_tokens=8, stop_at_eos=False)
 

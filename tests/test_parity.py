@@ -40,10 +40,10 @@ def test_cached_decoding_matches_full_forward(llama_dir, compiled):
     ids = _ids(2, (1, 12))
     full = model(ids)[0]  # [T, V]
     with torch.no_grad():
-        last = model._prefill(ids[:, :8])
+        last = model.prefill(ids[:, :8])
         assert relative_l2(last[0, -1], full[7]) < 1e-4
         for pos in range(8, 12):
-            step = model._decode(ids[:, pos:pos + 1], pos)
+            step = model.decode(ids[:, pos:pos + 1], pos)
             assert relative_l2(step[0, -1], full[pos]) < 1e-4
 
 

@@ -570,11 +570,12 @@ class CompiledModel:
         return tokens, positions
 
     # Single-sequence steps on slot 0 (tests and profiles drive the graphs with them).
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Prompt [1, T] from position 0 into slot 0; [1, 1, V] logits of its last token."""
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prompt [1, T] from position 0 into slot 0; [1, 1, V] logits of its last token. With
+        `decode`, one sequence step by step outside the engine, as benchmarks and checks drive it."""
         return self.prefill_chunk(ids[0].tolist(), 0, 0).view(1, 1, -1)
 
-    def _decode(self, token: torch.Tensor, position: int) -> torch.Tensor:
+    def decode(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Token [1, 1] at `position` in slot 0 (other slots idle); [1, 1, V] logits."""
         tokens, positions = self._slot0_step(int(token.reshape(-1)[0]), position)
         return self.decode_step(tokens, positions, position + 1)[:1].view(1, 1, -1)
@@ -642,7 +643,7 @@ class CompiledModel:
         if role == "prefill":
             self.prefill_chunk([0, 0], 1, 0)
         elif role == "decode":
-            self._decode(torch.zeros(1, 1, dtype=torch.long), 2)
+            self.decode(torch.zeros(1, 1, dtype=torch.long), 2)
         elif role == "decode_slot":
             self.decode_slot(0, 0, 2)
         else:
