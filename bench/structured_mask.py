@@ -9,10 +9,12 @@ Each row follows its own path through the schema (its logits are random, masked,
 and consumed, as the engine does), so the masks differ from row to row and step to step; a row
 whose JSON is complete starts again, as a new request would take its slot. For each
 engine: the seconds to prepare the vocabulary and to compile the schema, then the median and 90th
-percentile of one step's masking for the whole batch, in µs. llguidance is what qrt runs
-(qrt/runtime/structured.py, compact JSON); xgrammar and outlines-core are measured beside it when
-they are installed (`pip install xgrammar outlines-core`, with torch pinned), each asked for
-JSON without free whitespace too. Every engine's mask is applied by the same function.
+percentile of one step's masking for the whole batch, in µs. llguidance is the engine qrt runs,
+with qrt's vocabulary and matchers (qrt/runtime/structured.py, compact JSON); xgrammar and
+outlines-core are measured beside it when they are installed (`pip install xgrammar
+outlines-core`, with torch pinned), each asked for JSON without free whitespace too. Every engine
+fills its rows of one batch mask, which one function then applies to the batch's logits (qrt's
+engine applies each row's mask to that row, so its own cost per step is a little higher).
 """
 
 import argparse
@@ -42,7 +44,9 @@ VOCAB = 49152  # the default model's logits
 
 
 class Llguidance:
-    """qrt's own path: structured.GrammarTokenizer and its per-row GrammarState."""
+    """qrt's vocabulary and matchers (structured.GrammarTokenizer, a GrammarState per row); the
+    mask is filled here into the shared batch mask, where GrammarState.masked fills and applies
+    its own row."""
 
     module = "llguidance"
 
