@@ -77,7 +77,7 @@ def _ids(seed=0):
 
 
 def _layouts(model) -> set:
-    return {m.quant_method.layout for m in model.modules() if getattr(getattr(m, "quant_method", None), "layout", None)}
+    return {m.quant_method.layout.name for m in model.modules() if getattr(getattr(m, "quant_method", None), "layout", None)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -98,7 +98,7 @@ def test_detected_and_matches_the_dequantized_model(name, checkpoints):
 def test_online_int_quantization_compiles_and_stays_close_to_bf16(quant, layout, llama_dir, hf_model, compiled):
     model = compiled(llama_dir, quant)
     assert _layouts(model.model.model) == {layout}
-    assert model.model.lm_head.quant_method.layout == "int8pack"  # lm_head: int8 per channel
+    assert model.model.lm_head.quant_method.layout.name == "int8pack"  # lm_head: int8 per channel
     assert quant in model.scheme.describe()
     ids = _ids(1)
     with torch.no_grad():
@@ -121,7 +121,7 @@ def test_online_int_quantizes_a_tied_lm_head_from_the_embeddings_and_keeps_them(
     reference = hf_model(tied_llama_dir)
     # The embedding lookup keeps the stored bf16 rows; lm_head gets its own int8 copy of them.
     assert torch.equal(model.model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
-    assert model.model.lm_head.quant_method.layout == "int8pack"
+    assert model.model.lm_head.quant_method.layout.name == "int8pack"
     assert "lm_head int8 per channel" in model.scheme.describe()
     with torch.no_grad():
         assert relative_l2(model(_ids()), reference(_ids()).logits) < 0.02

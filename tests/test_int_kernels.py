@@ -15,8 +15,8 @@ from int_checkpoints import pack_fields
 from kernel_checks import on_device, random_rows
 from qrt.kernels import native_cpu, pair_layout
 from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
-from qrt.kernels.int_reference import int_linear_reference, unpack_rows
-from qrt.formats.int_weights import IntWeights, apply_int_layout, install_int_weights
+from qrt.kernels.int_reference import IntWeights, int_linear_reference, unpack_rows
+from qrt.formats.int_weights import install_int_weights
 from tiny_checkpoints import relative_l2
 
 
@@ -131,10 +131,11 @@ def test_int8_cpu_kernel_is_only_chosen_where_aten_computes_it_right(k, layout):
     weights = IntWeights(unpack_rows(canonical["qweight"], 8, k), canonical["scales"], canonical["zeros"], 8, k)
     layer = nn.Module()
     layer.params_dtype, layer.bias = torch.bfloat16, None
-    assert install_int_weights(layer, weights, torch.device("cpu"), "test") == layout
+    chosen = install_int_weights(layer, weights, torch.device("cpu"), "test")
+    assert chosen.name == layout
     x = random_rows(3, k, torch.bfloat16)
     expected = x.float() @ weights.dequantize().t()
-    assert relative_l2(apply_int_layout(layout, layer, x, 8, k), expected) < 1e-2
+    assert relative_l2(chosen.linear(layer, x, 8, k), expected) < 1e-2
 
 
 def test_triton_int_gemm_reads_scales_and_zeros_by_their_own_strides():

@@ -11,11 +11,10 @@ from functools import partial
 
 import torch
 
-from qrt.kernels.int_reference import pack_factor, unpack_rows
+from qrt.kernels.int_reference import IntWeights, pack_factor, unpack_rows
 
 from qrt.errors import ConfigError, UnsupportedError
-from qrt.formats.int_weights import (IntWeights, apply_int_layout, copy_ints, install_int_weights, remove_parameters,
-                                     scaled_shards)
+from qrt.formats.int_weights import copy_ints, install_int_weights, remove_parameters, scaled_shards
 from qrt.layers.linear import LinearMethod, copy_rows, make_parameter
 from qrt.layers.tensor_parallel import TensorSplit
 from qrt.formats.scheme import QuantScheme
@@ -80,7 +79,7 @@ class AwqLinearMethod(LinearMethod):
         self.layout = install_int_weights(layer, weights, device, cfg.describe())
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return apply_int_layout(self.layout, layer, x, self.cfg.bits, self.cfg.group_size)
+        return self.layout.linear(layer, x, self.cfg.bits, self.cfg.group_size)
 
 
 def awq_config(config: dict, source) -> AwqConfig:

@@ -16,25 +16,17 @@ from pathlib import Path
 
 import torch
 
-from qrt.kernels import fp8_pairs_cpu, pair_layout
 from qrt.kernels.choices import choose
-from qrt.kernels.fp8_block_reference import dequantize_block_fp8
-from qrt.kernels.fp8_reference import FP8_DTYPE
+from qrt.kernels.fp8_reference import DYNAMIC_GROUP, DYNAMIC_TOKEN, FP8_DTYPE, STATIC_TENSOR, Fp8Weights
 
 from qrt.errors import ConfigError, TensorMismatch, UnsupportedError
-from qrt.layers.linear import LinearMethod, check_shape, copy_rows, make_parameter, replace_parameter
+from qrt.layers.linear import LinearMethod, check_shape, copy_rows, install_packed, make_parameter, replace_parameter
 from qrt.layers.tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE, TensorSplit
 from qrt.formats.scheme import QuantScheme, read_json
 from qrt.formats.registry import CompressedTensorsGroup, compressed_tensors_format, side_file, stored_format
 
-# activation schemes
-DYNAMIC_TOKEN = "dynamic per token"
-STATIC_TENSOR = "static per tensor"
-DYNAMIC_GROUP = "dynamic per token-group"
-
-
 @dataclass(frozen=True)
-class Fp8Layout:
+class Fp8Storage:
     """How one family stores its fp8 linears."""
 
     weight: str  # "tensor" | "channel" | "block"
@@ -99,7 +91,7 @@ BLOCK_GRID = TensorSplit(n_dim=None, k_dim=1)
 class Fp8CheckpointLinearMethod(LinearMethod):
     name = "fp8"
 
-    def __init__(self, layout: Fp8Layout, family: str):
+    def __init__(self, layout: Fp8Storage, family: str):
         super().__init__(layout)
         self.family = family
         # Per-tensor scales (one per fused shard) go whole to every rank, per-channel ones follow
@@ -135,45 +127,20 @@ class Fp8CheckpointLinearMethod(LinearMethod):
             )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        spec = self.cfg
-        scale = getattr(layer, spec.scale_name)
-        if pair_layout.is_pair_packed(layer.weight):  # packed for a compiled CPU model (layers/prepack.py)
-            static = layer.input_scale if spec.activation == STATIC_TENSOR else None
-            return fp8_pairs_cpu.linear(x, layer.weight, scale, layer.bias, static)
-        if spec.activation == DYNAMIC_TOKEN:
-            return torch.ops.qrt.fp8_linear(x, layer.weight, scale, layer.bias)
-        if spec.activation == STATIC_TENSOR:
-            return torch.ops.qrt.fp8_static_linear(x, layer.weight, scale, layer.input_scale, layer.bias)
-        return torch.ops.qrt.fp8_block_linear(x, layer.weight, scale, layer.bias, *layer.weight_block)
+        return self.layout.linear(layer, x, self.cfg.activation, self.cfg.scale_name)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         spec = self.cfg
         if spec.activation == STATIC_TENSOR:
             replace_parameter(layer, "input_scale", layer.input_scale.data.max().reshape(1))  # [1]
-        described = f"fp8_e4m3 [N, K], {spec.weight} scales, {spec.activation} activations ({self.family})"
         logical = {DYNAMIC_TOKEN: "qrt.fp8_linear", STATIC_TENSOR: "qrt.fp8_static_linear",
                    DYNAMIC_GROUP: "qrt.fp8_block_linear"}[spec.activation]
         kernel = choose(logical, device.type)
-        if kernel.layout == "fp8":
-            layer.weight.storage_layout, layer.weight.kernel = described, kernel.op
-            return
-        dtype = layer.params_dtype
-        if kernel.layout == "dequantized":
-            # Block scales vary along K, so they cannot be applied after the GEMM: the CPU kernel
-            # takes the dequantized weight (fp8 × block scale, rounded once to the model dtype).
-            # The scale grid becomes ones, so the reference op, which multiplies the two, still
-            # computes the same weight when a model runs eagerly.
-            scales = getattr(layer, spec.scale_name).data
-            widened = dequantize_block_fp8(layer.weight.data, scales, *layer.weight_block, dtype)
-            replace_parameter(layer, spec.scale_name, torch.ones_like(scales))  # [N/bn, K/bk]
-            note = "dequantized with block scales"
-        elif kernel.layout == "widened":
-            widened = layer.weight.data.to(dtype)  # exact: e4m3 is a subset of bf16
-            note = "holding exact fp8 values"
-        else:
-            raise UnsupportedError(f"{kernel.op} takes the {kernel.layout!r} layout, which fp8 checkpoints cannot make")
-        replace_parameter(layer, "weight", widened, kernel=kernel.op,
-                          storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] {note} ({self.family})")
+        block = layer.weight_block if spec.weight == "block" else None
+        weights = Fp8Weights(layer.weight.data, getattr(layer, spec.scale_name).data, spec.scale_name, block)
+        install_packed(layer, kernel.layout.pack(weights, layer.params_dtype), kernel.op,
+                       note=f"{spec.weight} scales, {spec.activation} activations ({self.family})")
+        self.layout = kernel.layout
 
 
 @dataclass(frozen=True)
@@ -218,7 +185,7 @@ class BlockScaleRows:
         return offset // self.rows_per_scale, picked, math.ceil(full / self.block_rows)
 
 
-def _fp8_scheme(layout: Fp8Layout, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
+def _fp8_scheme(layout: Fp8Storage, family: str, skip, kv_cache_fp8=None) -> QuantScheme:
     block = f" {layout.block[0]}x{layout.block[1]}" if layout.block else ""
     description = f"fp8 ({family}: {layout.weight}{block} weight scales, {layout.activation} activations"
     description += ", fp8 KV cache)" if kv_cache_fp8 else ")"
@@ -235,17 +202,17 @@ def hf_fp8_scheme(config: dict, config_path) -> QuantScheme:
         if activation != "dynamic" or len(block) != 2:
             raise ConfigError(f"{config_path}: fp8 weight_block_size={block} needs activation_scheme 'dynamic' "
                               f"and two block sizes")
-        layout = Fp8Layout("block", DYNAMIC_GROUP, tuple(int(b) for b in block), "weight_scale_inv")
+        layout = Fp8Storage("block", DYNAMIC_GROUP, tuple(int(b) for b in block), "weight_scale_inv")
     elif activation in ("dynamic", "static"):
-        layout = Fp8Layout("tensor", STATIC_TENSOR if activation == "static" else DYNAMIC_TOKEN)
+        layout = Fp8Storage("tensor", STATIC_TENSOR if activation == "static" else DYNAMIC_TOKEN)
     else:
         raise ConfigError(f"{config_path}: activation_scheme={activation!r}; expected 'static' or 'dynamic'")
     return _fp8_scheme(layout, "HF fp8", skip)
 
 
 _MODELOPT_FP8 = {
-    "FP8": Fp8Layout("tensor", STATIC_TENSOR),
-    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Layout("channel", DYNAMIC_TOKEN),
+    "FP8": Fp8Storage("tensor", STATIC_TENSOR),
+    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Storage("channel", DYNAMIC_TOKEN),
 }
 
 
@@ -305,9 +272,9 @@ def ct_fp8_scheme(group: CompressedTensorsGroup, skip, config_path) -> QuantSche
     activation = _ct_activation(inputs, config_path)
     if strategy == "block":
         block = tuple(int(b) for b in weights.get("block_structure") or (128, 128))
-        layout = Fp8Layout("block", activation, block)
+        layout = Fp8Storage("block", activation, block)
     elif strategy in ("tensor", "channel"):
-        layout = Fp8Layout(strategy, activation)
+        layout = Fp8Storage(strategy, activation)
     else:
         raise UnsupportedError(f"{config_path}: compressed-tensors fp8 weight strategy {strategy!r} is not supported")
     kv = group.config.get("kv_cache_scheme")

@@ -4,7 +4,7 @@
 it), so the model never holds a layer in both bf16 and fp8. Activations are quantized per token
 at run time. Per-channel scales make fused q/k/v and gate/up trivial: every row keeps its own.
 
-Loader pass (`process_after_loading`) makes the layout of the device's kernel (kernels/choices.py):
+Loader pass (`process_after_loading`): the device's kernel (kernels/choices.py) packs the weights in its layout:
 - "fp8": fp8 weights as stored, for the Triton fp8 GEMM on CUDA (`qrt::fp8_linear_triton`) and
   for qrt's own CPU kernel (`qrt::fp8_linear_native_cpu`, kernels/fp8_native_cpu.py), which widens
   the bytes in registers and so reads half of bf16's bytes per token.
@@ -18,13 +18,12 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels import fp8_pairs_cpu, pair_layout
 from qrt.kernels.choices import choose
-from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
+from qrt.kernels.fp8_reference import DYNAMIC_TOKEN, FP8_DTYPE, Fp8Weights, quantize_rows_fp8
 
-from qrt.errors import TensorMismatch, UnsupportedError
+from qrt.errors import TensorMismatch
 from qrt.layers.tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, rank_columns
-from qrt.layers.linear import LinearMethod, ShardLayout, check_shape, make_parameter, replace_parameter
+from qrt.layers.linear import LinearMethod, ShardLayout, check_shape, install_packed, make_parameter
 from qrt.formats.int_online import INT8_LM_HEAD
 from qrt.formats.registry import online_format
 
@@ -64,25 +63,13 @@ class Fp8OnlineLinearMethod(LinearMethod):
         )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if pair_layout.is_pair_packed(layer.weight):  # packed for a compiled CPU model (layers/prepack.py)
-            return fp8_pairs_cpu.linear(x, layer.weight, layer.weight_scale, layer.bias)
-        return torch.ops.qrt.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+        return self.layout.linear(layer, x, DYNAMIC_TOKEN, "weight_scale")
 
     def process_after_loading(self, layer, device: torch.device) -> None:
         kernel = choose("qrt.fp8_linear", device.type)
-        if kernel.layout == "fp8":
-            layer.weight.storage_layout = "fp8_e4m3 [N, K]"
-            layer.weight.kernel = kernel.op
-            return
-        if kernel.layout != "widened":
-            raise UnsupportedError(f"{kernel.op} takes the {kernel.layout!r} layout, which online fp8 cannot make")
-        # Widen to the activation dtype; exact because e4m3 is a subset of bf16/fp16/fp32.
-        dtype = layer.params_dtype
-        replace_parameter(
-            layer, "weight", layer.weight.data.to(dtype),  # [N, K] model dtype, fp8 values
-            storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] holding exact fp8 values",
-            kernel=kernel.op,
-        )
+        weights = Fp8Weights(layer.weight.data, layer.weight_scale.data, "weight_scale")
+        install_packed(layer, kernel.layout.pack(weights, layer.params_dtype), kernel.op)
+        self.layout = kernel.layout
 
 
 # lm_head is quantized too, to int8 per channel with bf16 activations, as the weight-only formats

@@ -16,12 +16,12 @@ from functools import partial
 
 import torch
 
-from qrt.kernels.int_reference import SUPPORTED_BITS, pack_factor, unpack_rows
+from qrt.kernels.int_reference import IntWeights, SUPPORTED_BITS, pack_factor, unpack_rows
 
 from qrt.errors import ConfigError, UnsupportedError
-from qrt.formats.int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count,
-                                     install_int_weights, groups_split_along_k, loaded_g_idx, rank_group_indices,
-                                     remove_parameters, scaled_shards)
+from qrt.formats.int_weights import (copy_ints, g_idx_parameter, group_count, install_int_weights,
+                                     groups_split_along_k, loaded_g_idx, rank_group_indices, remove_parameters,
+                                     scaled_shards)
 from qrt.layers.linear import LinearMethod, copy_rows, make_parameter
 from qrt.layers.tensor_parallel import TensorSplit
 from qrt.formats.scheme import QuantScheme
@@ -116,7 +116,7 @@ class GptqLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size
-        return apply_int_layout(self.layout, layer, x, self.cfg.bits, group)
+        return self.layout.linear(layer, x, self.cfg.bits, group)
 
 
 def gptq_config(config: dict, source) -> GptqConfig:

@@ -18,10 +18,10 @@ from functools import partial
 
 import torch
 
-from qrt.kernels.int_reference import pack_factor, pack_rows, unpack_rows
+from qrt.kernels.int_reference import IntWeights, pack_factor, pack_rows, unpack_rows
 
 from qrt.errors import TensorMismatch, UnsupportedError
-from qrt.formats.int_weights import IntWeights, apply_int_layout, group_count, install_int_weights, remove_parameters
+from qrt.formats.int_weights import group_count, install_int_weights, remove_parameters
 from qrt.layers.tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, largest_tp, rank_columns
 from qrt.kernels.exact_division import divide_exactly
 from qrt.layers.linear import LinearMethod, check_shape, make_parameter
@@ -140,7 +140,7 @@ class OnlineIntLinearMethod(LinearMethod):
         self.layout = install_int_weights(layer, weights, device, self.cfg.describe(layer.full_input_size))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return apply_int_layout(self.layout, layer, x, self.cfg.bits, self.group_size(layer))
+        return self.layout.linear(layer, x, self.cfg.bits, self.group_size(layer))
 
 
 # Weight-only integer formats also quantize lm_head, to int8 per channel: with 4-bit layers, a bf16

@@ -1,9 +1,11 @@
 """The loader pass shared by every integer weight-only format (GPTQ, AWQ, compressed-tensors,
-online int4/int8): from a layer's integer weights in a neutral form to the layout of its kernel.
+online int4/int8): from a layer's integer weights in the neutral form (`IntWeights`) to the layout
+of its kernel.
 
 Each format's loader pass only has to say what its tensors mean, as `IntWeights`; this module
 reorders act-order groups, asks for the kernel of `qrt::int_linear` on the device (the kernels
-declare which weights they accept, kernels/choices.py) and writes that kernel's layout:
+declare which weights they accept, kernels/choices.py) and lets that kernel's layout pack the
+weights (kernels/layouts.py). Today's kernels and layouts:
 
 | kernel (device)                | accepts                                     | layout after the pass               |
 |--------------------------------|---------------------------------------------|-------------------------------------|
@@ -12,50 +14,23 @@ declare which weights they accept, kernels/choices.py) and writes that kernel's 
 | `int8pack_linear` (CPU)        | 8-bit, one group per channel, K % 16 == 0   | "int8pack": int8 [N, K] or in pairs + channel scales |
 | `aten.linear` (any)            | anything else                               | "dense": dequantized to the model dtype |
 
-The ATen CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout
-no reference can read them: on the CPU the loader pass and the kernel are one decision, and the
-layer calls the kernel op directly. On CUDA the layer calls the logical op and the swap pass puts
-the Triton kernel in its place. Either way the layout is recorded on the weight and shown by
-`inspect` and `dump`.
+The CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout
+no reference can read them: on the CPU the layout's `linear` calls the kernel op directly. On
+CUDA it calls the logical op and the swap pass puts the Triton kernel in its place. Either way the
+layout is recorded on the weight and shown by `inspect` and `dump`.
 """
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels import int4_pairs_cpu, pair_layout
 from qrt.kernels.choices import choose
-from qrt.kernels.int_cpu import int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
-from qrt.kernels.int_reference import pack_rows
-from qrt.kernels.onednn_cpu import dense_linear
+from qrt.kernels.int_reference import IntWeights
+from qrt.kernels.layouts import Layout
 
 from qrt.errors import CheckpointError, TensorMismatch, UnsupportedError
-from qrt.layers.linear import ShardLayout, check_shape, make_parameter
-
-# The layouts the kernels of qrt::int_linear declare.
-PACKED, INT4PACK, INT8PACK, DENSE = "packed", "int4pack", "int8pack", "dense"
-
-
-@dataclass
-class IntWeights:
-    """One layer's integer weights, unpacked: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]
-    with g(k) = g_idx[k] when given, else k // group_size."""
-
-    q: torch.Tensor  # [K, N] int32 (or uint8), unsigned values in [0, 2**bits)
-    scales: torch.Tensor  # [ceil(K / G), N] float
-    zeros: torch.Tensor  # [ceil(K / G), N] float, zero points in units of the scale (may be fractional)
-    bits: int
-    group_size: int  # G; equal to K for one group per channel
-    g_idx: torch.Tensor | None = None  # [K] group of each input channel (act-order checkpoints)
-
-    def dequantize(self) -> torch.Tensor:
-        """fp32 [N, K], the weight in nn.Linear orientation."""
-        k = self.q.shape[0]
-        group = self.g_idx.long() if self.g_idx is not None else torch.arange(k, device=self.q.device) // self.group_size
-        return ((self.q.float() - self.zeros.float()[group]) * self.scales.float()[group]).t()
-
+from qrt.layers.linear import ShardLayout, check_shape, install_packed, make_parameter
 
 def _groups_in_use(w: IntWeights) -> IntWeights:
     """Only the groups the layer's input channels use, renumbered in order: a row-parallel
@@ -84,17 +59,11 @@ def _contiguous_groups(w: IntWeights) -> tuple[IntWeights, torch.Tensor | None] 
     return IntWeights(w.q[perm], w.scales, w.zeros, w.bits, w.group_size), perm
 
 
-def _exact_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t` in `dtype` when that loses nothing (e.g. fp16 scales in an fp16 model), else in fp32."""
-    narrowed = t.to(dtype)
-    return narrowed if torch.equal(narrowed.float(), t.float()) else t.float()
-
-
-def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -> str:
-    """Give `layer` the parameters of the best layout for `w` on `device`; returns the layout.
+def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -> Layout:
+    """Give `layer` the parameters of the best layout for `w` on `device`; returns the layout,
+    whose `linear(layer, x, bits, group_size)` runs the layer from then on.
 
     `what` names the format for `inspect` (e.g. "GPTQ 4-bit g128")."""
-    dtype = layer.params_dtype
     home = w.q.device  # where the layer was loaded; `device` names the kernel's device
     k, n = w.q.shape
     if w.g_idx is not None:
@@ -103,56 +72,12 @@ def install_int_weights(layer, w: IntWeights, device: torch.device, what: str) -
     layer.register_parameter("perm", None)
     kernel = choose("qrt.int_linear", device.type, bits=w.bits, group_size=w.group_size, k=k, n=n,
                     contiguous_groups=grouped is not None)
-    layout = kernel.layout
-    detail = ("act-order groups of uneven size" if grouped is None
-              else f"no {device.type} kernel for {w.bits}-bit weights in groups of {w.group_size} ({n}x{k})")
     if grouped is not None:
         w, perm = grouped
         if perm is not None:
             layer.perm = make_parameter(perm.to(home))  # [K] int64
-    if layout == PACKED:
-        layer.weight = make_parameter(pack_rows(w.q, w.bits).to(home), quant_format=what,  # [K / pf, N] int32
-                                      storage_layout=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
-                                      kernel=kernel.op, packed_dim=0, packed_factor=32 // w.bits,
-                                      group_size=w.group_size)
-        layer.scales = make_parameter(_exact_dtype(w.scales, dtype).to(home).contiguous())  # [K / G, N]
-        layer.zeros = make_parameter(_exact_dtype(w.zeros, dtype).to(home).contiguous())  # [K / G, N]
-    elif layout == INT4PACK:
-        cpu_group = int4_cpu_group(k, n, w.group_size)
-        packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
-                                                  dtype)
-        codes = ("qrt int4 codes [N/64, K/2, 64], scale+offset [N/64, K/g, 64, 2]" if int4_pairs_cpu.is_packed(packed)
-                 else "ATen int4 CPU pack [N, K/2], scale+offset [K/g, N, 2]")
-        # uint8 [N, K / 2] (ATen's) or [N / 64, K / 2, 64] (qrt's)
-        layer.weight = make_parameter(packed, quant_format=what, kernel=kernel.op, storage_layout=f"{codes}, g{cpu_group}")
-        layer.scale_offsets = make_parameter(scale_offsets)  # model dtype, [K / g, N, 2] or [N / 64, K / g, 64, 2]
-        layer.cpu_group = cpu_group
-    elif layout == INT8PACK:
-        weight, scales, zero_terms = pack_int8_for_cpu(w.q, w.scales, w.zeros, dtype)
-        asym = "" if zero_terms is None else ", zero-point correction"
-        codes = "int8 pairs [N/64, K/2, 64, 2]" if pair_layout.is_pair_packed(weight) else "int8 [N, K]"
-        layer.weight = make_parameter(weight, quant_format=what, kernel=kernel.op,  # [N, K] or pairs, int8
-                                      storage_layout=f"{codes}, channel scales{asym}")
-        layer.scales = make_parameter(scales)  # [N] model dtype
-        layer.register_parameter("zero_terms", None if zero_terms is None else make_parameter(zero_terms))
-    else:
-        layer.weight = make_parameter(w.dequantize().to(dtype).to(home), quant_format=what,  # [N, K]
-                                      storage_layout=f"{str(dtype).removeprefix('torch.')} [N, K] dequantized: {detail}",
-                                      kernel=kernel.op)
-    return layout
-
-
-def apply_int_layout(layout: str, layer, x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """forward of a layer that went through `install_int_weights` (layout is a Python constant)."""
-    if layout == PACKED:
-        return torch.ops.qrt.int_linear(x, layer.weight, layer.scales, layer.zeros, layer.perm, layer.bias,
-                                        bits, group_size)
-    if layout == INT4PACK:
-        return torch.ops.qrt.int4pack_linear(x, layer.weight, layer.scale_offsets, layer.perm, layer.bias,
-                                             layer.cpu_group)
-    if layout == INT8PACK:
-        return torch.ops.qrt.int8pack_linear(x, layer.weight, layer.scales, layer.zero_terms, layer.bias)
-    return dense_linear(x, layer.weight, layer.bias)
+    install_packed(layer, kernel.layout.pack(w, layer.params_dtype), kernel.op, what)
+    return kernel.layout
 
 
 def copy_ints(param, loaded: torch.Tensor, shard_id, *, layout: ShardLayout | None, dtype: torch.dtype) -> None:

@@ -37,12 +37,11 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels.choices import choose
 from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN
 from qrt.kernels.int_reference import pack_rows, unpack_rows
-from qrt.kernels.w4a8_reference import w4a8_int8_weights
+from qrt.kernels.w4a8_reference import W4A8Weights
 
-from qrt.formats.compressed_tensors.int_w8a8 import annotate_int8_layout, check_scale
+from qrt.formats.compressed_tensors.int_w8a8 import check_scale, install_int8_weights
 from qrt.errors import CheckpointError, ConfigError, TensorMismatch, UnsupportedError
 from qrt.formats.int_weights import copy_ints, remove_parameters
 from qrt.layers.linear import LinearMethod, ShardLayout, copy_rows, make_parameter
@@ -138,7 +137,6 @@ class QqqLinearMethod(LinearMethod):
 
     def __init__(self, cfg: QqqConfig, module_names):
         super().__init__(cfg, module_names)  # layout: "packed" (CUDA) or "int8" (CPU), chosen by the loader pass
-        self.group_size = None  # G of the canonical layout, set with it
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         cfg, n, k = self.cfg, layer.output_size, layer.input_size
@@ -182,22 +180,8 @@ class QqqLinearMethod(LinearMethod):
         qweight, group_scales, channel_scales, group_size = self.canonical(layer)
         self._check_int8_range(qweight, group_scales, group_size, layer.input_size)
         remove_parameters(layer, "B", "s_channel", "s_group")
-        self.group_size = group_size
-        what = self.cfg.describe()
-        kernel = choose("qrt.w4a8_linear", device.type)
-        self.layout = kernel.layout
-        if kernel.layout == "packed":
-            home = qweight.device  # where the layer was loaded; `device` names the kernel's device
-            layer.weight = make_parameter(qweight, quant_format=what, kernel=kernel.op,
-                                          storage_layout=f"int4 words along K [K/8, N], g{group_size} int8 "
-                                                         f"multipliers, fp32 channel scales")
-            layer.group_scales = make_parameter(group_scales.to(home))  # [K / G, N] fp32
-            layer.channel_scales = make_parameter(channel_scales.to(home))  # [N] fp32
-            return
-        weight = w4a8_int8_weights(qweight, group_scales, group_size, layer.input_size)  # [K, N] int8
-        layer.weight = make_parameter(weight.t().contiguous())  # [N, K] int8
-        layer.weight_scale = make_parameter(channel_scales)  # [N] fp32
-        annotate_int8_layout(layer, device, what, logical="qrt.w4a8_linear")
+        weights = W4A8Weights(qweight, group_scales.to(qweight.device), channel_scales.to(qweight.device), group_size)
+        self.layout = install_int8_weights(layer, weights, device, self.cfg.describe(), logical="qrt.w4a8_linear")
 
     def _check_int8_range(self, qweight, group_scales, group_size: int, k: int) -> None:
         """QQQ's kernel wraps an int8 weight outside [-128, 127] around; a valid file has none."""
@@ -210,10 +194,7 @@ class QqqLinearMethod(LinearMethod):
                                   f"QQQ's kernel computes in; not a valid QQQ export")
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "packed":
-            return torch.ops.qrt.w4a8_linear(x, layer.weight, layer.group_scales, layer.channel_scales, layer.bias,
-                                             self.group_size)
-        return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, None, None, None, layer.bias)
+        return self.layout.linear(layer, x)
 
 
 def qqq_config(config: dict, source) -> QqqConfig:

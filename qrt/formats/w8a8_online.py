@@ -11,9 +11,9 @@ from functools import partial
 import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
-from qrt.kernels.int8_reference import MIN_SCALE
+from qrt.kernels.int8_reference import MIN_SCALE, Int8Weights
 
-from qrt.formats.compressed_tensors.int_w8a8 import annotate_int8_layout
+from qrt.formats.compressed_tensors.int_w8a8 import install_int8_weights
 from qrt.errors import TensorMismatch
 from qrt.layers.tensor_parallel import DENSE_WEIGHT_WHOLE_ROWS, rank_columns
 from qrt.kernels.exact_division import divide_exactly
@@ -57,10 +57,12 @@ class W8A8OnlineLinearMethod(LinearMethod):
         )
 
     def process_after_loading(self, layer, device: torch.device) -> None:
-        annotate_int8_layout(layer, device, "int8 channel weights, int8 per-token activations (online)")
+        weights = Int8Weights(layer.weight.data, layer.weight_scale.data)
+        self.layout = install_int8_weights(layer, weights, device, "int8 channel weights, int8 per-token activations "
+                                                                   "(online)")
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, None, None, None, layer.bias)
+        return self.layout.linear(layer, x)
 
 
 @online_format("w8a8", summary="int8 weights per channel, int8 activations per token")

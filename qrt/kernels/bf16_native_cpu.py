@@ -19,6 +19,7 @@ import torch
 
 from . import pair_layout
 from .choices import Kernel, declare
+from .layouts import NamedLayout
 from .pair_layout import output_features
 
 
@@ -43,5 +44,5 @@ def bf16_pairs_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
 # weight for this op after the loader pass, where qrt's library is built; oneDNN's prepacked linear
 # is the other choice there.
 declare(Kernel(
-    "qrt_cpu.bf16_linear", devices=("cpu",), serves=(), layout="bf16 pairs",
+    "qrt_cpu.bf16_linear", devices=("cpu",), serves=(), layout=NamedLayout("bf16 pairs"),
     why="CPU: qrt's AVX-512 kernel on the dense bf16 weight packed in pairs, called from the compiled graph"))

@@ -1,9 +1,9 @@
 """Which kernel runs a quantized layer, declared once, by the kernel modules, with `declare`.
 
 Three parts of qrt read these declarations and nothing else:
-- the loader pass asks `choose(logical op, device, **facts)` for the kernel of a layer, makes
-  the weight layout that kernel takes (`Kernel.layout`) and records the kernel on the weight
-  (`weight.kernel`);
+- the loader pass asks `choose(logical op, device, **facts)` for the kernel of a layer, has the
+  kernel's layout (`Kernel.layout`, layouts.py) pack the layer's weights and call the kernel,
+  and records the kernel on the weight (`weight.kernel`);
 - the swap pass reads `weight.kernel` from each linear op's real weight and puts that kernel in
   the graph where the layer calls a logical op (`Kernel.replaces`);
 - the fusion pass reads `Kernel.fusions`: which producer ops (an RMSNorm, an activation) may
@@ -14,6 +14,8 @@ The loader pass decides; the passes carry the decision out, so the two can no lo
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+from .layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Kernel:
     op: str  # the op the compiled graph runs, "ns.name" (aten.linear: the dense GEMM)
     devices: tuple[str, ...]  # device types it runs on
     serves: tuple[str, ...]  # the logical ops whose computation it implements
-    layout: str  # the weight layout the loader pass makes for it
+    layout: Layout  # how the loader pass packs a layer's weights for it, and how the layer calls it
     why: str  # shown by `inspect` and `dump`
     # The op a layer calls that the swap pass replaces by `op`; None: the layer calls `op` itself
     # (an opaque layout that no reference op can read).

@@ -13,6 +13,7 @@ and a polynomial exp (within 2 ulp of expf), then agree on the rounding to the m
 
 from . import native_cpu
 from .choices import Kernel, declare
+from .decode_attention_reference import KV_CACHE
 
 _SUPPORTED_HEAD_DIM_MAX = 512
 _SUPPORTED_GROUP_MAX = 16
@@ -25,5 +26,5 @@ def _accepts(head_dim: int = 0, group: int = 1, **facts) -> bool:
 
 declare(Kernel(
     "qrt_cpu.decode_attention", devices=("cpu",), serves=("qrt.decode_attention",), replaces="qrt.decode_attention",
-    layout="kv cache", recorded_as="attention_kernel", preference=-10, accepts=_accepts,
+    layout=KV_CACHE, recorded_as="attention_kernel", preference=-10, accepts=_accepts,
     why="CPU: qrt's AVX-512 kernel, each K/V row read once in place for the query heads sharing it"))

@@ -13,6 +13,7 @@ fake that gives the output's shape for tracing.
 import torch
 
 from .choices import Kernel, declare
+from .layouts import NamedLayout
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor first, Tensor last, "
@@ -56,7 +57,10 @@ def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+# The attention kernels read the KV cache as the model keeps it; nothing is packed for them.
+KV_CACHE = NamedLayout("kv cache")
+
 declare(Kernel(
-    "qrt.decode_attention", devices=("cpu", "cuda"), serves=("qrt.decode_attention",), layout="kv cache",
+    "qrt.decode_attention", devices=("cpu", "cuda"), serves=("qrt.decode_attention",), layout=KV_CACHE,
     recorded_as="attention_kernel",
     preference=100, why="plain torch, one row at a time over its own cache entries"))

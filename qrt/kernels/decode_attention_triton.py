@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .choices import Kernel, declare
+from .decode_attention_reference import KV_CACHE
 from .triton_tiles import check_launchable
 
 BLOCK_S = 64  # cache entries per step of the walk
@@ -105,6 +106,6 @@ def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale)
 
 declare(Kernel(
     "qrt.decode_attention_triton", devices=("cuda",), serves=("qrt.decode_attention",),
-    replaces="qrt.decode_attention", layout="kv cache", recorded_as="attention_kernel", preference=-10,
+    replaces="qrt.decode_attention", layout=KV_CACHE, recorded_as="attention_kernel", preference=-10,
     why="CUDA: Triton, one program per (row, query head), each row's extent read on the device "
         "(no host synchronisation; capturable in a CUDA graph)"))

@@ -26,6 +26,7 @@ import torch
 
 from .activation_reference import act_mul
 from .choices import Kernel, declare
+from .layouts import NamedLayout
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,6 @@ def run_experts(x, topk_ids, topk_weights, gate_up, down, layers: ExpertLayers, 
 
 declare(Kernel(
     "qrt.fused_experts_kernels", devices=("cpu", "cuda"), serves=("qrt.fused_experts",), replaces="qrt.fused_experts",
-    layout="any", preference=100,
+    layout=NamedLayout("any"), preference=100,
     why="each expert that received tokens runs once on all of them, through the kernel its own weights were "
         "laid out for"))

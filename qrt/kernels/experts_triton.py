@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .activation_reference import act_mul
 from .choices import Kernel, declare
+from .layouts import NamedLayout
 from .experts_reference import ExpertProjection, expert_layers
 from .triton_tiles import check_launchable, load_packed_codes
 
@@ -177,7 +178,7 @@ def _reads(gate_up: str, down: str) -> bool:
 
 
 declare(Kernel(
-    "qrt.fused_experts_triton", devices=("cuda",), serves=("qrt.fused_experts",), layout="dense or packed",
+    "qrt.fused_experts_triton", devices=("cuda",), serves=("qrt.fused_experts",), layout=NamedLayout("dense or packed"),
     accepts=lambda gate_up, down: _reads(gate_up, down),
     why="experts on a GPU: one grouped Triton GEMM per projection over the routed pairs sorted by expert, the "
         "weight tile dequantized in registers"))

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from .choices import Kernel, declare
-from .fp8_block_reference import group_spans, quantize_whole_groups
+from .fp8_block_reference import dequantize_block_fp8, group_spans, quantize_whole_groups
+from .fp8_reference import Fp8Weights, fp8_logical_linear
+from .layouts import Layout, Packed
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define(
@@ -51,8 +53,25 @@ def fp8_block_linear_cpu(x, weight, weight_scale, bias, block_n, block_k):
 
 _lib.impl("fp8_block_linear_cpu", fp8_block_linear_cpu, "CompositeImplicitAutograd")
 
+
+class DequantizedBlockLayout(Layout):
+    """The block fp8 weight dequantized (codes × block scale, rounded once to the model dtype),
+    [N, K]. The scale grid becomes ones, so the reference op, which multiplies the two, still
+    computes the same weight when a model runs eagerly."""
+
+    name = "dequantized"
+
+    def pack(self, weights: Fp8Weights, dtype: torch.dtype) -> Packed:
+        w = weights
+        return Packed({"weight": dequantize_block_fp8(w.codes, w.scale, *w.block, dtype),  # [N, K]
+                       w.scale_name: torch.ones_like(w.scale)},  # [N / bn, K / bk]
+                      storage=f"{str(dtype).removeprefix('torch.')} [N, K] dequantized with block scales")
+
+    def linear(self, layer, x, activation: str, scale_name: str):
+        return fp8_logical_linear(layer, x, activation, scale_name)
+
 declare(Kernel(
     "qrt.fp8_block_linear_cpu", devices=("cpu",), serves=("qrt.fp8_block_linear",), replaces="qrt.fp8_block_linear",
-    layout="dequantized",
+    layout=DequantizedBlockLayout(),
     why="CPU: the loader pass dequantized the blocks (fp8 x block scale, rounded once); Inductor fuses the "
         "per-group activation quantization around one GEMM"))

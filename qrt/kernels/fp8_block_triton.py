@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from qrt.kernels.choices import Kernel, declare
-from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from qrt.kernels.fp8_reference import FP8_CODES, FP8_DTYPE, FP8_MAX, MIN_SCALE
 from qrt.kernels.triton_tiles import (ROW_BLOCK, check_fp8_operands, check_launchable, flatten_rows, gemm_config,
                                        grouped_tile, output_tiles, round_to_e4m3_grid, store_tile, unflatten_rows,
                                        wrapped_rows_cols)
@@ -187,5 +187,5 @@ def _(x, weight, weight_scale, bias, block_n, block_k):
 
 declare(Kernel(
     "qrt.fp8_block_linear_triton", devices=("cuda",), serves=("qrt.fp8_block_linear",),
-    replaces="qrt.fp8_block_linear", layout="fp8",
+    replaces="qrt.fp8_block_linear", layout=FP8_CODES,
     why="block fp8 on a GPU: Triton GEMM with per-block weight and per-group activation scales"))

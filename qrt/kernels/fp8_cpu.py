@@ -12,8 +12,9 @@ order and the rounding of its bf16 output differ.
 
 import torch
 
-from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from .fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Weights, fp8_logical_linear
 from .choices import Kernel, declare
+from .layouts import Layout, Packed
 from .onednn_cpu import dense_linear
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
@@ -37,8 +38,25 @@ def fp8_linear_cpu(x, weight, weight_scale, bias):
 
 _lib.impl("fp8_linear_cpu", fp8_linear_cpu, "CompositeImplicitAutograd")
 
+
+class WidenedFp8Layout(Layout):
+    """The e4m3 codes widened to the model dtype, [N, K]: exact, since e4m3 is a subset of bf16,
+    fp16 and fp32. The scales stay apart and multiply the GEMM's output."""
+
+    name = "widened"
+
+    def pack(self, weights: Fp8Weights, dtype: torch.dtype) -> Packed:
+        return Packed({"weight": weights.codes.to(dtype)},  # [N, K] model dtype, fp8 values
+                      storage=f"{str(dtype).removeprefix('torch.')} [N, K] holding exact fp8 values")
+
+    def linear(self, layer, x, activation: str, scale_name: str):
+        return fp8_logical_linear(layer, x, activation, scale_name)
+
+
+WIDENED_FP8 = WidenedFp8Layout()
+
 declare(Kernel(
     "qrt.fp8_linear_cpu", devices=("cpu",), serves=("qrt.fp8_linear",), replaces="qrt.fp8_linear",
-    layout="widened", prepackable=True,
+    layout=WIDENED_FP8, prepackable=True,
     why="CPU: no fp8 arithmetic; the loader pass widened the fp8 weights to the model dtype (exact), Inductor fuses "
         "the per-token activation quantization around one GEMM"))

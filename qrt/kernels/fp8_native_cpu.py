@@ -20,6 +20,7 @@ import torch
 
 from . import native_cpu
 from .choices import Kernel, declare
+from .fp8_reference import FP8_CODES
 
 # From this many rows on, dequantizing the weight and bf16 GEMMs beat the GEMV
 # (bench/cpu_native_options.py; docs/cpu-kernels.md).
@@ -68,4 +69,4 @@ _WHY = "CPU: fp8 weights kept as stored (half of bf16's bytes), widened in regis
 for _logical in ("fp8_linear", "fp8_static_linear", "fp8_block_linear"):
     declare(Kernel(
         f"qrt.{_logical}_native_cpu", devices=("cpu",), serves=(f"qrt.{_logical}",), replaces=f"qrt.{_logical}",
-        layout="fp8", preference=-10, accepts=lambda **facts: native_cpu.available(), why=_WHY))
+        layout=FP8_CODES, preference=-10, accepts=lambda **facts: native_cpu.available(), why=_WHY))

@@ -22,6 +22,8 @@ import torch
 
 from . import pair_layout
 from .choices import Kernel, declare
+from .fp8_reference import STATIC_TENSOR, Fp8Weights
+from .layouts import Layout, Packed
 from .pair_layout import OUTPUTS_PER_BLOCK
 
 
@@ -49,8 +51,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bi
     return out.reshape(*x.shape[:-1], packed.shape[0] * OUTPUTS_PER_BLOCK)
 
 
+class Fp8PairsLayout(Layout):
+    """The e4m3 codes packed in pairs (above); the scales stay as the loader pass left them."""
+
+    name = "fp8 pairs"
+
+    def pack(self, weights: Fp8Weights, dtype: torch.dtype) -> Packed:
+        return Packed({"weight": pack_weight(weights.codes)}, storage="fp8_e4m3 packed in pairs [N / 64, K / 2, 64, 2]")
+
+    def linear(self, layer, x, activation: str, scale_name: str):
+        static = layer.input_scale if activation == STATIC_TENSOR else None
+        return linear(x, layer.weight, getattr(layer, scale_name), layer.bias, static)
+
+
 # Not chosen by a loader pass: prepack_cpu_weights (layers/prepack.py) packs the codes of layers
 # whose kernel is qrt's fp8 GEMV (per channel or per tensor, dynamic or static activations).
 declare(Kernel(
-    "qrt_cpu.fp8_pairs_linear", devices=("cpu",), serves=(), layout="fp8 pairs",
+    "qrt_cpu.fp8_pairs_linear", devices=("cpu",), serves=(), layout=Fp8PairsLayout(),
     why="CPU: qrt's AVX-512 kernel on the e4m3 codes packed in pairs, called from the compiled graph"))

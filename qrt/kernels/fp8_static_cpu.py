@@ -10,6 +10,7 @@ summation order and the rounding of its output to the model dtype.
 import torch
 
 from .choices import Kernel, declare
+from .fp8_cpu import WIDENED_FP8
 from .fp8_static_reference import quantize_static_fp8
 from .onednn_cpu import dense_linear
 
@@ -36,6 +37,6 @@ _lib.impl("fp8_static_linear_cpu", fp8_static_linear_cpu, "CompositeImplicitAuto
 
 declare(Kernel(
     "qrt.fp8_static_linear_cpu", devices=("cpu",), serves=("qrt.fp8_static_linear",),
-    replaces="qrt.fp8_static_linear", layout="widened", prepackable=True,
+    replaces="qrt.fp8_static_linear", layout=WIDENED_FP8, prepackable=True,
     why="CPU: no fp8 arithmetic; the loader pass widened the fp8 weights to the model dtype (exact), Inductor fuses "
         "the static-scale activation quantization around one GEMM"))

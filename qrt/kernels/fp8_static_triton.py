@@ -17,6 +17,7 @@ from qrt.kernels.fp8_triton import fp8_gemm_triton
 from qrt.kernels.triton_tiles import check_launchable, flatten_rows, round_to_e4m3_grid, row_block, unflatten_rows
 
 from .choices import Kernel, declare
+from .fp8_reference import FP8_CODES
 
 
 @triton.jit
@@ -86,5 +87,5 @@ def _(x, weight, weight_scale, input_scale, bias):
 
 declare(Kernel(
     "qrt.fp8_static_linear_triton", devices=("cuda",), serves=("qrt.fp8_static_linear",),
-    replaces="qrt.fp8_static_linear", layout="fp8",
+    replaces="qrt.fp8_static_linear", layout=FP8_CODES,
     why="fp8 weights on a GPU: static input scale, Triton fp8 GEMM"))

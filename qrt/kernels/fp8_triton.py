@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from qrt.kernels.choices import Kernel, declare
-from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from qrt.kernels.fp8_reference import FP8_CODES, FP8_DTYPE, FP8_MAX, MIN_SCALE
 from qrt.kernels.triton_tiles import (check_fp8_operands, check_launchable, flatten_rows, gemm_config, grouped_tile,
                                        output_tiles, round_to_e4m3_grid, row_block, store_tile, unflatten_rows,
                                        wrapped_rows_cols)
@@ -158,4 +158,4 @@ def _(x, weight, weight_scale, bias):
 
 declare(Kernel(
     "qrt.fp8_linear_triton", devices=("cuda",), serves=("qrt.fp8_linear",), replaces="qrt.fp8_linear",
-    layout="fp8", why="fp8 weights on a GPU: Triton fp8 GEMM, fused per-token x per-channel scaling"))
+    layout=FP8_CODES, why="fp8 weights on a GPU: Triton fp8 GEMM, fused per-token x per-channel scaling"))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .choices import Kernel, declare
-from .int8_reference import quantize_activations_int8
+from .int8_reference import INT8_ROWS, quantize_activations_int8
 
 # ATen's AVX-512 kernel reads 16 activations at a time and has no tail: K is padded to a multiple.
 _K_STEP = 16
@@ -79,6 +79,6 @@ _lib.impl("int8_linear_cpu", int8_linear_cpu, "CompositeImplicitAutograd")
 
 declare(Kernel(
     "qrt.int8_linear_cpu", devices=("cpu",), serves=("qrt.int8_linear", "qrt.w4a8_linear"),
-    replaces="qrt.int8_linear", layout="int8",
+    replaces="qrt.int8_linear", layout=INT8_ROWS,
     why="CPU: int8 weights in ATen's int8-weight matmul, activations on the int8 grid per token (fused by "
         "Inductor); QQQ's 4-bit codes arrive as the int8 weights they stand for"))

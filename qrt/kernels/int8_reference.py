@@ -24,9 +24,12 @@ only roundings are the activation quantization and the fp32 epilogue (acc * s) *
 Rounding is half to even everywhere (torch.round).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from .exact_division import divide_exactly
+from .layouts import Layout, Packed
 
 INT8_MIN, INT8_MAX = -128, 127
 # Floor of a dynamic scale, so an all-zero row does not divide by zero; small enough that any row
@@ -132,3 +135,39 @@ def int8_linear(
 @int8_linear.register_fake
 def _(x, weight, weight_scale, input_scale, input_zero_point, weight_sums, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass
+class Int8Weights:
+    """One W8A8 layer's tensors (module docstring), the neutral form the int8 layout packs from.
+    Other forms that run as int8 weights (QQQ's 4-bit codes times their group scales) give one
+    through `int8_weights()`."""
+
+    weight: torch.Tensor  # int8 [N, K]
+    weight_scale: torch.Tensor  # fp32 [N]
+    input_scale: torch.Tensor | None = None  # fp32 [1] for static activations
+    input_zero_point: torch.Tensor | None = None  # int32 [1] for static asymmetric activations
+    weight_sums: torch.Tensor | None = None  # int32 [N] for asymmetric activations
+
+    def int8_weights(self) -> "Int8Weights":
+        return self
+
+
+class Int8RowsLayout(Layout):
+    """int8 weights [N, K] with fp32 channel scales, as every W8A8 checkpoint stores them; the
+    layer calls `qrt::int8_linear` and the swap pass puts the device's kernel there."""
+
+    name = "int8"
+
+    def pack(self, weights, dtype: torch.dtype) -> Packed:
+        w = weights.int8_weights()
+        return Packed({"weight": w.weight, "weight_scale": w.weight_scale, "input_scale": w.input_scale,
+                       "input_zero_point": w.input_zero_point, "weight_sums": w.weight_sums},
+                      storage="int8 [N, K], fp32 channel scales")
+
+    def linear(self, layer, x):
+        return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, layer.input_scale,
+                                         layer.input_zero_point, layer.weight_sums, layer.bias)
+
+
+INT8_ROWS = Int8RowsLayout()

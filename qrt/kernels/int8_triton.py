@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .activation_reference import int8_input_fusions
 from .choices import Kernel, declare
-from .int8_reference import MIN_SCALE, check_activation_scheme
+from .int8_reference import INT8_ROWS, MIN_SCALE, check_activation_scheme
 from .triton_tiles import (check_launchable, flatten_rows, gemm_config, grouped_tile, output_tiles, round_half_even,
                            row_block, store_tile, unflatten_rows, wrapped_rows_cols)
 
@@ -217,6 +217,6 @@ def _int8_gemm_args(args):
 
 declare(Kernel(
     "qrt.int8_linear_triton", devices=("cuda",), serves=("qrt.int8_linear",), replaces="qrt.int8_linear",
-    layout="int8", fusions=int8_input_fusions("qrt.int8_gemm_triton", _int8_gemm_args),
+    layout=INT8_ROWS, fusions=int8_input_fusions("qrt.int8_gemm_triton", _int8_gemm_args),
     why="W8A8 on a GPU: Triton per-token int8 quantization, int8 GEMM with the rescale and zero-point correction "
         "in its epilogue"))

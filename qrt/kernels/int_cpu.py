@@ -29,7 +29,8 @@ import torch
 
 from . import int4_pairs_cpu, native_cpu, pair_layout
 from .choices import Kernel, declare
-from .int_reference import unpack_rows
+from .int_reference import IntWeights, pack_rows, unpack_rows
+from .layouts import Layout, Packed
 
 INT4_CPU_GROUPS = (256, 128, 64, 32)
 # From this many rows on, dequantizing to bf16 and oneDNN's GEMM beat ATen's int4 and int8 kernels
@@ -132,13 +133,56 @@ def int8pack_linear(x, weight, scales, zero_terms, bias):
 _lib.impl("int4pack_linear", int4pack_linear, "CompositeImplicitAutograd")
 _lib.impl("int8pack_linear", int8pack_linear, "CompositeImplicitAutograd")
 
+
+
+class Int4PackLayout(Layout):
+    """4-bit codes in qrt's pack (or ATen's) with a scale and an offset per group of `cpu_group`."""
+
+    name = "int4pack"
+
+    def pack(self, weights: IntWeights, dtype: torch.dtype) -> Packed:
+        w = weights
+        k, n = w.q.shape
+        cpu_group = int4_cpu_group(k, n, w.group_size)
+        packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
+                                                  dtype)
+        codes = ("qrt int4 codes [N/64, K/2, 64], scale+offset [N/64, K/g, 64, 2]" if int4_pairs_cpu.is_packed(packed)
+                 else "ATen int4 CPU pack [N, K/2], scale+offset [K/g, N, 2]")
+        # packed: uint8 [N, K / 2] (ATen's) or [N / 64, K / 2, 64] (qrt's); scale_offsets in the
+        # model dtype, [K / g, N, 2] or [N / 64, K / g, 64, 2]
+        return Packed({"weight": packed, "scale_offsets": scale_offsets}, storage=f"{codes}, g{cpu_group}",
+                      constants={"cpu_group": cpu_group})
+
+    def linear(self, layer, x, bits: int, group_size: int):
+        return torch.ops.qrt.int4pack_linear(x, layer.weight, layer.scale_offsets, layer.perm, layer.bias,
+                                             layer.cpu_group)
+
+
+class Int8PackLayout(Layout):
+    """int8 codes [N, K] (or in pairs) with one scale per output channel, and a zero-point
+    correction where a channel is asymmetric."""
+
+    name = "int8pack"
+
+    def pack(self, weights: IntWeights, dtype: torch.dtype) -> Packed:
+        weight, scales, zero_terms = pack_int8_for_cpu(weights.q, weights.scales, weights.zeros, dtype)
+        asym = "" if zero_terms is None else ", zero-point correction"
+        codes = "int8 pairs [N/64, K/2, 64, 2]" if pair_layout.is_pair_packed(weight) else "int8 [N, K]"
+        # weight: int8 [N, K] or in pairs; scales, zero_terms: [N] in the model dtype
+        return Packed({"weight": weight, "scales": scales, "zero_terms": zero_terms},
+                      storage=f"{codes}, channel scales{asym}")
+
+    def linear(self, layer, x, bits: int, group_size: int):
+        return torch.ops.qrt.int8pack_linear(x, layer.weight, layer.scales, layer.zero_terms, layer.bias)
+
+
 declare(Kernel(
-    "qrt.int4pack_linear", devices=("cpu",), serves=("qrt.int_linear",), layout="int4pack",
+    "qrt.int4pack_linear", devices=("cpu",), serves=("qrt.int_linear",), layout=Int4PackLayout(),
     accepts=lambda bits, group_size, k, n, contiguous_groups: (
         contiguous_groups and bits == 4 and int4_cpu_group(k, n, group_size) is not None),
     why="CPU: the loader pass packed the 4-bit weights for ATen's int4 matmul"))
 declare(Kernel(
-    "qrt.int8pack_linear", devices=("cpu",), serves=("qrt.int_linear",), layout="int8pack",
+    "qrt.int8pack_linear", devices=("cpu",), serves=("qrt.int_linear",), layout=Int8PackLayout(),
     # ATen's int8 kernel takes one scale per channel, and is wrong for K not a multiple of 16.
     accepts=lambda bits, group_size, k, n, contiguous_groups: (
         contiguous_groups and bits == 8 and group_size >= k and k % 16 == 0),

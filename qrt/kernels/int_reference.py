@@ -16,10 +16,34 @@ into one canonical layout, which this reference and the GPU kernel read:
 """
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
+from .layouts import Layout, Packed
+
 SUPPORTED_BITS = (2, 4, 8)
+
+
+@dataclass
+class IntWeights:
+    """One layer's integer weights, unpacked, the neutral form every integer format's loader pass
+    makes and every layout of `qrt::int_linear` packs from:
+    W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n], with g(k) = g_idx[k] when given, else
+    k // group_size."""
+
+    q: torch.Tensor  # [K, N] int32 (or uint8), unsigned values in [0, 2**bits)
+    scales: torch.Tensor  # [ceil(K / G), N] float
+    zeros: torch.Tensor  # [ceil(K / G), N] float, zero points in units of the scale (may be fractional)
+    bits: int
+    group_size: int  # G; equal to K for one group per channel
+    g_idx: torch.Tensor | None = None  # [K] group of each input channel (act-order checkpoints)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K], the weight in nn.Linear orientation."""
+        k = self.q.shape[0]
+        group = self.g_idx.long() if self.g_idx is not None else torch.arange(k, device=self.q.device) // self.group_size
+        return ((self.q.float() - self.zeros.float()[group]) * self.scales.float()[group]).t()
 
 
 def pack_factor(bits: int) -> int:
@@ -108,3 +132,32 @@ def int_linear(
 @int_linear.register_fake
 def _(x, qweight, scales, zeros, perm, bias, bits, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[1])
+
+
+def _exact_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` when that loses nothing (e.g. fp16 scales in an fp16 model), else in fp32."""
+    narrowed = t.to(dtype)
+    return narrowed if torch.equal(narrowed.float(), t.float()) else t.float()
+
+
+class CanonicalIntLayout(Layout):
+    """The canonical layout above, which this reference and the Triton kernel read. The layer
+    calls the logical op; on a GPU the swap pass puts the kernel in its place."""
+
+    name = "packed"
+
+    def pack(self, weights: IntWeights, dtype: torch.dtype) -> Packed:
+        w = weights
+        return Packed(
+            {"weight": pack_rows(w.q, w.bits),  # [K / pf, N] int32
+             "scales": _exact_dtype(w.scales, dtype).contiguous(),  # [K / G, N]
+             "zeros": _exact_dtype(w.zeros, dtype).contiguous()},  # [K / G, N]
+            storage=f"int{w.bits} words along K [K/{32 // w.bits}, N], g{w.group_size}",
+            weight_attributes=dict(packed_dim=0, packed_factor=32 // w.bits, group_size=w.group_size))
+
+    def linear(self, layer, x, bits: int, group_size: int):
+        return torch.ops.qrt.int_linear(x, layer.weight, layer.scales, layer.zeros, layer.perm, layer.bias,
+                                        bits, group_size)
+
+
+CANONICAL_INT = CanonicalIntLayout()

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .choices import Kernel, declare
-from .int_reference import pack_factor
+from .int_reference import CANONICAL_INT, pack_factor
 from .triton_tiles import (check_launchable, flatten_rows, grouped_tile, load_packed_codes, output_tiles, store_tile,
                            unflatten_rows, wrapped_rows_cols)
 
@@ -137,5 +137,5 @@ def _(x, qweight, scales, zeros, perm, bias, bits, group_size):
 
 declare(Kernel(
     "qrt.int_linear_triton", devices=("cuda",), serves=("qrt.int_linear",), replaces="qrt.int_linear",
-    layout="packed", accepts=lambda bits, group_size, k, n, contiguous_groups: contiguous_groups,
+    layout=CANONICAL_INT, accepts=lambda bits, group_size, k, n, contiguous_groups: contiguous_groups,
     why="integer weights on a GPU: Triton GEMM unpacking and dequantizing the weight tile in registers"))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .bf16_native_cpu import bf16_pairs_linear
 from .pair_layout import is_pair_packed
 from .choices import Kernel, declare
+from .layouts import Layout, NamedLayout, Packed
 
 # carrier storage address -> oneDNN-packed weight [N, K]; an entry lives as long as its carrier
 _PACKED: dict[int, torch.Tensor] = {}
@@ -101,12 +102,29 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight) + bias
 
 
+class DenseLayout(Layout):
+    """The weight [N, K] in the model dtype: as stored, or dequantized from any neutral form of
+    weights that can dequantize itself (the fallback where no quantized kernel takes them)."""
+
+    name = "dense"
+
+    def pack(self, weights, dtype: torch.dtype) -> Packed:
+        return Packed({"weight": weights.dequantize().to(dtype)},  # [N, K]
+                      storage=f"{str(dtype).removeprefix('torch.')} [N, K] dequantized: no quantized kernel here "
+                              f"takes these weights")
+
+    def linear(self, layer, x, *settings):
+        return dense_linear(x, layer.weight, layer.bias)
+
+
+DENSE = DenseLayout()
+
 declare(Kernel(
-    "aten.linear", devices=("cpu", "cuda"), serves=("aten.linear", "qrt.int_linear"), layout="dense", preference=100,
+    "aten.linear", devices=("cpu", "cuda"), serves=("aten.linear", "qrt.int_linear"), layout=DENSE, preference=100,
     prepackable=True, why="a dense GEMM in the model dtype: weights as stored, or dequantized where no quantized "
                           "kernel runs them"))
 # Not chosen by a loader pass: prepack_cpu_weights (layers/prepack.py) turns a prepackable layer's
 # dense weight into a carrier for this op after the loader pass.
 declare(Kernel(
-    "qrt.onednn_linear", devices=("cpu",), serves=(), layout="prepacked",
+    "qrt.onednn_linear", devices=("cpu",), serves=(), layout=NamedLayout("prepacked"),
     why="CPU: the loader prepacked the dense weights for oneDNN's linear"))

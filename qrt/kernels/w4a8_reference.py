@@ -20,10 +20,13 @@ kernel multiplies by 16 (the nibble lands in the high half of a byte); the loade
 group scale 1 and channel scale 16 * s_channel, the same products.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from .int8_reference import INT8_MAX, INT8_MIN, exact_int_matmul, quantize_rows_int8
+from .int8_reference import INT8_MAX, INT8_MIN, Int8Weights, exact_int_matmul, quantize_rows_int8
 from .int_reference import unpack_rows
+from .layouts import Layout, Packed
 
 
 def w4a8_int8_weights(qweight: torch.Tensor, group_scales: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
@@ -62,3 +65,39 @@ def w4a8_linear(
 @w4a8_linear.register_fake
 def _(x, qweight, group_scales, channel_scales, bias, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[1])
+
+
+@dataclass
+class W4A8Weights:
+    """One W4A8 layer in the canonical layout (module docstring), the neutral form its layouts
+    pack from."""
+
+    qweight: torch.Tensor  # int32 [K / 8, N]
+    group_scales: torch.Tensor  # fp32 [K / G, N], integer multipliers
+    channel_scales: torch.Tensor  # fp32 [N]
+    group_size: int  # G
+
+    def int8_weights(self) -> Int8Weights:
+        """The int8 weights the codes stand for, for kernels that take W8A8 weights."""
+        k = self.group_scales.shape[0] * self.group_size
+        return Int8Weights(w4a8_int8_weights(self.qweight, self.group_scales, self.group_size, k).t().contiguous(),
+                           self.channel_scales)  # int8 [N, K], fp32 [N]
+
+
+class CanonicalW4A8Layout(Layout):
+    """The canonical layout above, read by this reference and the Triton kernel."""
+
+    name = "packed"
+
+    def pack(self, weights: W4A8Weights, dtype: torch.dtype) -> Packed:
+        w = weights
+        return Packed({"weight": w.qweight, "group_scales": w.group_scales, "channel_scales": w.channel_scales},
+                      storage=f"int4 words along K [K/8, N], g{w.group_size} int8 multipliers, fp32 channel scales",
+                      constants={"w4a8_group_size": w.group_size})
+
+    def linear(self, layer, x):
+        return torch.ops.qrt.w4a8_linear(x, layer.weight, layer.group_scales, layer.channel_scales, layer.bias,
+                                         layer.w4a8_group_size)
+
+
+CANONICAL_W4A8 = CanonicalW4A8Layout()

@@ -18,6 +18,7 @@ import triton.language as tl
 from .activation_reference import int8_input_fusions
 from .choices import Kernel, declare
 from .int8_triton import quantize_activations_int8_triton
+from .w4a8_reference import CANONICAL_W4A8
 from .triton_tiles import (check_launchable, flatten_rows, gemm_config, grouped_tile, load_packed_codes, output_tiles,
                            round_half_even, store_tile, unflatten_rows, wrapped_rows_cols)
 
@@ -141,5 +142,5 @@ def _w4a8_gemm_args(args):
 
 declare(Kernel(
     "qrt.w4a8_linear_triton", devices=("cuda",), serves=("qrt.w4a8_linear",), replaces="qrt.w4a8_linear",
-    layout="packed", fusions=int8_input_fusions("qrt.w4a8_gemm_triton", _w4a8_gemm_args),
+    layout=CANONICAL_W4A8, fusions=int8_input_fusions("qrt.w4a8_gemm_triton", _w4a8_gemm_args),
     why="W4A8 on a GPU: Triton int8 GEMM turning 4-bit codes into int8 weights in registers"))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
+from qrt.kernels.layouts import Packed
 
 from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.layers.tensor_parallel import (OUTPUT_VECTOR, SINGLE, Parallelism, RankSlice, TensorSplit, all_gather_last,
@@ -73,6 +74,29 @@ def replace_parameter(module: nn.Module, name: str, data: torch.Tensor, **attrib
     new = make_parameter(data, **kept)
     setattr(module, name, new)
     return new
+
+
+def install_packed(layer: nn.Module, packed: Packed, kernel: str, quant_format: str | None = None,
+                   note: str | None = None) -> None:
+    """Give `layer` the tensors a kernel's layout packed (kernels/layouts.py) and record the kernel
+    and storage on its weight (`note`: what the format adds to the storage's description). A
+    tensor replacing a parameter keeps that parameter's attributes; a new one starts bare; None
+    registers the name as absent."""
+    for name, tensor in packed.tensors.items():
+        attributes = {}
+        if name == "weight":
+            storage = packed.storage if note is None else f"{packed.storage}, {note}"
+            attributes = dict(packed.weight_attributes, kernel=kernel, storage_layout=storage)
+            if quant_format is not None:
+                attributes["quant_format"] = quant_format
+        if tensor is None:
+            layer.register_parameter(name, None)
+        elif getattr(layer, name, None) is not None:
+            replace_parameter(layer, name, tensor, **attributes)
+        else:
+            setattr(layer, name, make_parameter(tensor, **attributes))
+    for name, value in packed.constants.items():
+        setattr(layer, name, value)
 
 
 @dataclass(frozen=True)
@@ -144,7 +168,7 @@ class LinearMethod(ABC):
     def __init__(self, cfg=None, module_names=()):
         self.cfg = cfg  # the format's settings for this layer (a frozen dataclass), if it has any
         self.module_names = list(module_names)  # the checkpoint modules of the layer (a fused layer's shards)
-        self.layout = None  # for formats with several layouts: the one the loader pass chose
+        self.layout = None  # the layout (kernels/layouts.py) the loader pass packed the weights for
 
     def tensor_split(self, layer: "Linear", param_name: str) -> "TensorSplit | None":
         """The TensorSplit of the checkpoint tensor that loads into `param_name`: `shard_rule`'s

@@ -40,6 +40,8 @@ def prepack_cpu_weights(model: nn.Module) -> int:
             replace_parameter(module, "weight", fp8_pairs_cpu.pack_weight(weight.data), kernel="qrt_cpu.fp8_pairs_linear",
                               storage_layout=f"{weight.storage_layout}, packed in pairs [N / 64, K / 2, 64, 2] "
                                              f"(qrt_cpu.fp8_pairs_linear)")
+            # The layer runs through the layout its weight now has (its `linear` calls this kernel).
+            module.quant_method.layout = kernel_named("qrt_cpu.fp8_pairs_linear").layout
             packed += 1
             continue
         if weight.device.type != "cpu" or not kernel_named(weight.kernel).prepackable:

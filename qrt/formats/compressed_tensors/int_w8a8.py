@@ -21,11 +21,11 @@ import torch
 
 import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
 from qrt.kernels.choices import choose
-from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, weight_row_sums
+from qrt.kernels.int8_reference import INT8_MAX, INT8_MIN, Int8Weights, weight_row_sums
 
 from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.formats.int_weights import copy_ints, shard_slot
-from qrt.layers.linear import LinearMethod, check_shape, make_parameter
+from qrt.layers.linear import LinearMethod, check_shape, install_packed, make_parameter
 from qrt.layers.tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE
 from qrt.formats.scheme import QuantScheme
 from qrt.formats.registry import CompressedTensorsGroup, compressed_tensors_format
@@ -149,22 +149,25 @@ class CtW8A8LinearMethod(LinearMethod):
         # The zero-point correction's weight factor (see kernels/int8_reference.py).
         sums = None if self.cfg.symmetric_activations else make_parameter(weight_row_sums(layer.weight.data))
         layer.register_parameter("weight_sums", sums)  # [N] int32 or None
-        annotate_int8_layout(layer, device, self.cfg.describe())
+        weights = Int8Weights(layer.weight.data, layer.weight_scale.data, _data(layer.input_scale),
+                              _data(layer.input_zero_point), _data(layer.weight_sums))
+        self.layout = install_int8_weights(layer, weights, device, self.cfg.describe())
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qrt.int8_linear(x, layer.weight, layer.weight_scale, layer.input_scale,
-                                         layer.input_zero_point, layer.weight_sums, layer.bias)
+        return self.layout.linear(layer, x)
 
 
-def annotate_int8_layout(layer, device: torch.device, what: str, logical: str = "qrt.int8_linear") -> None:
-    """Record the layout every W8A8 layer ends with, int8 [N, K] and fp32 channel scales, and the
-    device's kernel for it (`logical`: the op whose kernel runs the layer; QQQ's on the CPU)."""
+def _data(param):
+    return None if param is None else param.data
+
+
+def install_int8_weights(layer, weights, device: torch.device, what: str, logical: str = "qrt.int8_linear"):
+    """Pack a W8A8 layer's weights (`Int8Weights`, or a form that gives them) for the device's
+    kernel of `logical` (QQQ's 4-bit layers run as int8 on the CPU) and record it; returns the
+    layout, whose `linear(layer, x)` runs the layer from then on."""
     kernel = choose(logical, device.type)
-    if kernel.layout != "int8":
-        raise UnsupportedError(f"{kernel.op} takes the {kernel.layout!r} layout; W8A8 layers are int8 [N, K]")
-    layer.weight.quant_format = what
-    layer.weight.storage_layout = "int8 [N, K], fp32 channel scales"
-    layer.weight.kernel = kernel.op
+    install_packed(layer, kernel.layout.pack(weights, layer.params_dtype), kernel.op, what)
+    return kernel.layout
 
 
 def ct_w8a8_config(fmt: str, weights: dict, inputs: dict, source) -> CtW8A8Config:

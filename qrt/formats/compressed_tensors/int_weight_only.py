@@ -17,12 +17,12 @@ from functools import partial
 
 import torch
 
-from qrt.kernels.int_reference import pack_factor, unpack_rows
+from qrt.kernels.int_reference import IntWeights, pack_factor, unpack_rows
 
 from qrt.errors import TensorMismatch, UnsupportedError
-from qrt.formats.int_weights import (IntWeights, apply_int_layout, copy_ints, g_idx_parameter, group_count,
-                                     groups_split_along_k, install_int_weights, loaded_g_idx, rank_group_indices,
-                                     remove_parameters, shard_slot, whole_shard_shape)
+from qrt.formats.int_weights import (copy_ints, g_idx_parameter, group_count, groups_split_along_k,
+                                     install_int_weights, loaded_g_idx, rank_group_indices, remove_parameters,
+                                     shard_slot, whole_shard_shape)
 from qrt.layers.linear import LinearMethod, check_shape, copy_rows, make_parameter
 from qrt.layers.tensor_parallel import DENSE_WEIGHT, WHOLE, TensorSplit
 from qrt.formats.scheme import QuantScheme
@@ -144,7 +144,7 @@ class CtIntLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         group = layer.input_size if self.cfg.group_size == -1 else self.cfg.group_size
-        return apply_int_layout(self.layout, layer, x, self.cfg.bits, group)
+        return self.layout.linear(layer, x, self.cfg.bits, group)
 
 
 def ct_int_config(fmt: str, weights: dict, source) -> CtIntConfig:

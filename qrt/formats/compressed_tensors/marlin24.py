@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from qrt.kernels.int_reference import unpack_rows
+from qrt.kernels.int_reference import IntWeights, unpack_rows
 
 from qrt.errors import CheckpointError, TensorMismatch, UnsupportedError
-from qrt.formats.int_weights import (IntWeights, apply_int_layout, copy_ints, group_count, install_int_weights,
-                                     remove_parameters, shard_slot, whole_shard_shape)
+from qrt.formats.int_weights import (copy_ints, group_count, install_int_weights, remove_parameters, shard_slot,
+                                     whole_shard_shape)
 from qrt.layers.linear import LinearMethod, ShardLayout, copy_rows, make_parameter
 from qrt.layers.tensor_parallel import WHOLE, TensorSplit
 from qrt.formats.scheme import QuantScheme
@@ -214,7 +214,7 @@ class CtMarlin24LinearMethod(LinearMethod):
         return self.module_names[index], channel - starts[index]
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return apply_int_layout(self.layout, layer, x, BITS, self._group(layer.input_size))
+        return self.layout.linear(layer, x, BITS, self._group(layer.input_size))
 
 
 def ct_marlin24_config(weights: dict, inputs, source) -> CtMarlin24Config:
