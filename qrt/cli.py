@@ -262,27 +262,21 @@ def _eval(args) -> int:
 
 
 def _inspect(args) -> int:
-    from qrt.checkpoint.source import SafetensorsCheckpoint, open_checkpoint
+    from qrt.checkpoint.source import SafetensorsCheckpoint
     from qrt.checkpoint.config import LoadConfig
-    from qrt.formats.resolve import resolve_scheme
     from qrt.checkpoint.safetensors_files import checkpoint_files
-
     from qrt.runtime.registry import ModelRegistry
+    from qrt.runtime.resolve import resolve
 
-    path = _resolve_path(args.path)
-    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 describes the checkpoint
-    checkpoint = open_checkpoint(path, LoadConfig())
-    hf_config = checkpoint.hf_config
-    if first_rank:
-        print(f"checkpoint:    {path}")
-        print(f"architectures: {hf_config.get('architectures')}  (supported: {', '.join(ModelRegistry.supported())})")
-        if isinstance(checkpoint, SafetensorsCheckpoint):
-            _print_tensors(checkpoint_files(checkpoint.folder), args.tensors)
-    ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
-    scheme = resolve_scheme(hf_config, args.quant, checkpoint.config_path, checkpoint.folder)
-    if first_rank:
-        print(f"quantization:  {scheme.describe()}")
-    model = _compile(args, compile=False, progress=False, path=path).model
+    resolved = resolve(args.path, args.quant, LoadConfig())
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 describes the checkpoint
+        print(f"checkpoint:    {resolved.path}")
+        print(f"architectures: {resolved.hf_config.get('architectures')}  "
+              f"(supported: {', '.join(ModelRegistry.supported())})")
+        if isinstance(resolved.checkpoint, SafetensorsCheckpoint):
+            _print_tensors(checkpoint_files(resolved.checkpoint.folder), args.tensors)
+        print(f"quantization:  {resolved.scheme.describe()}")
+    model = _compile(args, compile=False, progress=False, path=resolved.path).model
     in_rank_order(model.config.parallel, lambda: _print_layers(model, args.device, model.config.parallel))
     return 0
 
@@ -323,14 +317,6 @@ def _print_tensors(files, limit: int) -> None:
             total += 1
     if 0 <= limit < total:
         print(f"  … {total - limit} more (--tensors -1 lists all)")
-
-
-def _resolve_path(path):
-    if path is not None:
-        return Path(path)
-    from qrt.runtime.default_model import default_model_path
-
-    return default_model_path()
 
 
 def _dump(args) -> int:

@@ -15,9 +15,7 @@ from torch.compiler._cache import CacheArtifactManager
 
 from qrt.checkpoint.config import DeviceConfig, LoadConfig
 from qrt.checkpoint.loader import load_model
-from qrt.checkpoint.source import open_checkpoint
 from qrt.checkpoint.tokenizer import eos_token_ids
-from qrt.formats.resolve import resolve_scheme
 from qrt.layers.prepack import prepack_cpu_weights
 from qrt.passes.backend import QrtBackend, aot_supported, load_artifact
 
@@ -31,7 +29,7 @@ from .isa_probe import remember_isa_probes
 from .logprobs import check_top
 from .malloc import map_large_allocations
 from .prefix_cache import PrefixCache
-from .registry import ModelRegistry
+from .resolve import resolve
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
 
@@ -96,10 +94,6 @@ def compile_model(
     if autotune is None:
         autotune = build == "frozen" and os.environ.get("QRT_AUTOTUNE", "1") != "0"
     speculative = SpeculativeConfig.parse(speculative)
-    if path is None:
-        from .default_model import default_model_path
-
-        path = default_model_path(progress=progress)
     map_large_allocations()
     if compile:
         remember_isa_probes()
@@ -109,10 +103,9 @@ def compile_model(
         device = rank_device(torch.device(device), parallel)
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
-    checkpoint = open_checkpoint(path, load_config)
-    hf_config = checkpoint.hf_config
-    model_cls = ModelRegistry.resolve(hf_config, source=checkpoint.config_path)
-    scheme = resolve_scheme(hf_config, quant, checkpoint.config_path, checkpoint.folder)
+    resolved = resolve(path, quant, load_config, progress=progress)
+    path, checkpoint, hf_config = resolved.path, resolved.checkpoint, resolved.hf_config
+    model_cls, scheme = resolved.model_cls, resolved.scheme
     model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel)
     if compile and build == "regional":
         prepack_cpu_weights(model)
