@@ -93,7 +93,7 @@ def _lost_its_graphs(model) -> bool:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     return any(any(not report.loaded for report in backend.log.graphs)
-               and not _debug_get_cache_entry_list(model._fns[role]._torchdynamo_orig_callable)
+               and not _debug_get_cache_entry_list(model.graph_functions[role]._torchdynamo_orig_callable)
                for role, backend in model.backends.items())
 
 

@@ -32,8 +32,8 @@ def _greedy_logits(model, prompt: list[int], steps: int) -> list[torch.Tensor]:
 def test_decode_skips_dynamo_and_gives_the_guarded_steps_logits(compiled, llama_dir):
     model = compiled(llama_dir)
     assert model.direct_decode is not None, "the warmed-up decode graph was not captured"
-    counting = CountingCalls(model._fns["decode"])
-    model._fns["decode"] = counting
+    counting = CountingCalls(model.graph_functions["decode"])
+    model.graph_functions["decode"] = counting
     try:
         direct = _greedy_logits(model, list(range(30, 41)), 12)
         assert counting.calls == 0
@@ -41,7 +41,7 @@ def test_decode_skips_dynamo_and_gives_the_guarded_steps_logits(compiled, llama_
             guarded = _greedy_logits(model, list(range(30, 41)), 12)
         assert counting.calls == 12
     finally:
-        model._fns["decode"] = counting.fn
+        model.graph_functions["decode"] = counting.fn
     for step, (a, b) in enumerate(zip(direct, guarded)):
         assert torch.equal(a, b), f"step {step}: direct and guarded logits differ by {(a - b).abs().max()}"
 
@@ -61,8 +61,8 @@ def test_direct_decode_refuses_what_the_graph_was_not_compiled_for(compiled, lla
 def test_prefill_skips_dynamo_and_gives_the_guarded_prefills_logits(compiled, llama_dir):
     model = compiled(llama_dir)
     assert "prefill" in model.direct, "the warmed-up prefill graph was not captured"
-    counting = CountingCalls(model._fns["prefill"])
-    model._fns["prefill"] = counting
+    counting = CountingCalls(model.graph_functions["prefill"])
+    model.graph_functions["prefill"] = counting
     try:
         # Chunks of other lengths at other offsets: both of the graph's sizes vary.
         chunks = [(list(range(20, 29)), 0), (list(range(40, 43)), 9)]
@@ -72,7 +72,7 @@ def test_prefill_skips_dynamo_and_gives_the_guarded_prefills_logits(compiled, ll
             guarded = [model.prefill_chunk(tokens, start, 0, with_hidden=True) for tokens, start in chunks]
         assert counting.calls == 2
     finally:
-        model._fns["prefill"] = counting.fn
+        model.graph_functions["prefill"] = counting.fn
     for (logits, hidden), (want_logits, want_hidden) in zip(direct, guarded):
         assert torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)
 

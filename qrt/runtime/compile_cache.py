@@ -1,7 +1,7 @@
 """qrt's compile cache: the compiled graphs of one (qrt, torch, checkpoint, format, device, shapes)
 combination, kept as one file so that a second process starts without compiling.
 
-An entry holds one of two payloads (its metadata's "payload" says which; `CompiledModel` writes
+An entry holds one of two payloads (its metadata's "payload" says which; `GraphRunner` writes
 and reads them, docs/startup.md):
 - "graphs": each step graph as a serialized artifact of Inductor's `standalone_compile`, with
   the spec that binds it to a model's weights (runtime/direct_graph.py): a start that finds it

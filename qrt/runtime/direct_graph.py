@@ -17,7 +17,7 @@ input of its step graphs itself, so it can hold the guarantees the guards gave i
   graph whose trace guarded its sizes in any other way (a relation between two sizes) is not
   called directly (`GraphSpec.describe` returns None).
 
-`CompiledModel.guarded()` sends the steps through Dynamo again, so that recompile checks
+`GraphRunner.guarded()` sends the steps through Dynamo again, so that recompile checks
 (`fail_on_recompile`) see every step.
 """
 

@@ -106,7 +106,7 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     """Split `length` prompt tokens into prefill chunks of at most `chunk`, none of one token
     (the prefill graph's length is dynamic from 2: a lone remaining token moves into the chunk
     before it). A one-token prompt is one chunk of one (run with a filler token after it, see
-    CompiledModel._prefill_inputs)."""
+    GraphRunner._prefill_inputs)."""
     bounds = list(range(0, length, chunk)) + [length]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         bounds[-2] -= 1
@@ -116,7 +116,8 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
 class Engine:
     def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None, prefix_caching: bool = True,
                  speculate: bool = True):
-        """tokenizer: what turns ids into text (default: the model's). prefix_caching: skip the
+        """model: a CompiledModel, whose graph runner (graph_runner.py) the engine steps and whose
+        end-of-sequence ids and tokenizer it reads. tokenizer: what turns ids into text (default: the model's). prefix_caching: skip the
         whole prefill chunks a free slot holds already (prefix_cache.py; the same results).
         speculate: guess and check tokens where the model was compiled with speculative decoding
         (False: decode one token a step anyway)."""
@@ -133,7 +134,7 @@ class Engine:
         # Longrope models (Phi-3) switch to long factors past the original context, for every
         # position of the sequence (as transformers does): a prompt past it prefills in one
         # chunk, and a sequence that grows past it is prefilled again from the start.
-        self.long_from = model.model.rotary.long_from
+        self.long_from = model.long_from
         config = getattr(model, "speculative", None)
         self.speculator = None
         if speculate and config is not None:

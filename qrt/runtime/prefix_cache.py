@@ -8,7 +8,7 @@ computes is bit for bit what a cold prefill computes: caching changes how long a
 never its tokens or log-probabilities. Reuse goes by whole chunks of the same size: a request's
 last partial chunk and the tokens it generated are not kept.
 
-One PrefixCache belongs to a model's KV cache (CompiledModel.prefix_cache), whichever engines
+One PrefixCache belongs to a model's KV cache (GraphRunner.prefix_cache), whichever engines
 use it: every write into the cache (`overwritten`) drops what it covers, and only an engine's
 whole chunks (`extend`) add to what a slot holds.
 

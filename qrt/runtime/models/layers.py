@@ -254,7 +254,7 @@ class Attention(nn.Module):
         replaces it when compiled). A decode step feeds T = 1; a speculative check feeds the
         next token and its guesses (T = 1 + k), each attending like the decode step that would
         have fed it, so both give a token the same attention. A token at the cache's last
-        position is idle (CompiledModel.idle_decode_rows): it attends only to the entry it
+        position is idle (GraphRunner.idle_decode_rows): it attends only to the entry it
         writes. Returns [B, T, H * hd]."""
         bsz, _, seq, _ = q.shape
         self._write_cache(k, v, positions, batch_rows(slots))
