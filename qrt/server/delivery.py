@@ -1,0 +1,116 @@
+"""How an answer reaches its client: whole when every choice has ended, or streamed as
+server-sent events. `running` holds, per choice, the engine's Sequence and the asyncio queue its
+Updates arrive on (EngineLoop.submit); the client going away cancels the choices."""
+
+import asyncio
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from qrt.runtime.engine import ERROR, Update
+
+from .protocol import error_body
+from .replies import Reply
+
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there
+
+
+async def whole(running: list, reply: Reply, request: Request):
+    """The answer once every choice has ended (cancelled if the client goes away meanwhile)."""
+    clock = asyncio.get_running_loop().time
+    next_check = clock() + DISCONNECT_POLL_S
+    ended = {}  # choice -> its last Update
+    try:
+        while len(ended) < len(running):
+            index = next(i for i in range(len(running)) if i not in ended)
+            seq, updates = running[index]
+            # Tokens may come faster than the poll interval: the check goes by the clock,
+            # not by a quiet spell.
+            try:
+                update = await asyncio.wait_for(updates.get(), max(0.0, next_check - clock()))
+            except asyncio.TimeoutError:
+                update = None
+            if update is not None and update.finish_reason is not None:
+                ended[index] = update
+            if clock() >= next_check:
+                if await request.is_disconnected():
+                    for seq, _ in running:
+                        seq.cancel()  # the slots are freed at the engine's next step
+                    return Response(status_code=499)
+                next_check = clock() + DISCONNECT_POLL_S
+    except BaseException:
+        for seq, _ in running:
+            seq.cancel()
+        raise
+    failed = [update for update in ended.values() if update.finish_reason == ERROR]
+    if failed:
+        return JSONResponse(engine_error(failed[0]), status_code=500)
+    return reply.whole([seq for seq, _ in running])
+
+
+
+async def stream(running: list, reply: Reply, include_usage: bool):
+    """The answer's server-sent events as the engine produces tokens."""
+    merged: asyncio.Queue = asyncio.Queue()  # (choice, Update) of every choice, as they come
+
+    async def forward(index: int, updates: asyncio.Queue):
+        while True:
+            update = await updates.get()
+            await merged.put((index, update))
+            if update.finish_reason is not None:
+                return
+
+    forwarders = [asyncio.create_task(forward(i, updates)) for i, (_, updates) in enumerate(running)]
+    try:
+        if reply.chat:
+            for index in range(len(running)):
+                yield _event(reply.chunk(index, {"role": "assistant", "content": ""}, None, [], include_usage))
+        pending = [[] for _ in running]  # scored tokens not yet sent, per choice
+        # With echo, a choice's prompt goes first: at once, or, when it is scored, with its
+        # scores, which the engine has computed by the time the choice's first update comes.
+        echoed = [not reply.scoring.echo for _ in running]
+        if reply.scoring.echo and reply.scoring.prompt is None:
+            for index, (seq, _) in enumerate(running):
+                echoed[index] = True
+                yield _event(reply.echo_chunk(index, seq, include_usage))
+        left, failed = len(running), False
+        while left:
+            index, update = await merged.get()
+            seq = running[index][0]
+            if update.finish_reason == ERROR:
+                yield _event(engine_error(update))
+                failed = True
+                break
+            if not echoed[index]:
+                echoed[index] = True
+                yield _event(reply.echo_chunk(index, seq, include_usage))
+            if update.logprob is not None:
+                pending[index].append(update.logprob)
+            if update.text and reply.tool_mode is None:
+                yield _event(reply.chunk(index, update.text, None, pending[index], include_usage))
+                pending[index] = []
+            if update.finish_reason is not None:
+                finish_reason = update.finish_reason
+                if reply.tool_mode is not None:  # the answer goes whole: only now is it known to be calls
+                    message, finish_reason = reply.message(seq)
+                    yield _event(reply.chunk(index, message, None, pending[index], include_usage))
+                    pending[index] = []
+                yield _event(reply.chunk(index, None, finish_reason, pending[index], include_usage))
+                left -= 1
+        if include_usage and not failed:
+            yield _event(reply.usage_chunk(sum(len(seq.tokens) for seq, _ in running)))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (the task is cancelled) or the stream ended
+        for task in forwarders:
+            task.cancel()
+        for seq, _ in running:
+            seq.cancel()
+
+
+def engine_error(update: Update) -> dict:
+    return error_body(f"generation failed: {type(update.error).__name__}: {update.error}", "server_error")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
