@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from qrt.checkpoint.hub import is_hub_id
 from qrt.errors import QrtError
 from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
                                  stored_formats)
@@ -48,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_model_args(sub):
         sub.add_argument("path", nargs="?", default=None, type=_model_path,
-                         help="Hugging Face checkpoint folder, or `default` (the default: the embedded "
-                              "SmolLM2-135M-Instruct)")
+                         help="a checkpoint folder, a .gguf file, a Hugging Face Hub id (ORG/NAME, or "
+                              "ORG/NAME:FILE.gguf or ORG/NAME:Q4_K_M for a GGUF repository), or `default` (the "
+                              "default: the embedded SmolLM2-135M-Instruct)")
+        sub.add_argument("--revision", default=None,
+                         help="a hub id's branch, tag or commit (default: main)")
         sub.add_argument("--quant", default=None,
                          help=f"online quantization for a bf16 checkpoint: {', '.join(online_formats())} "
                               f"(default: as stored; `qrt formats` lists every format)")
@@ -165,7 +169,8 @@ def _compile(args, path=None, **kwargs):
 
     return runtime.compile_model(path or args.path, quant=args.quant, device=args.device, dtype=args.dtype,
                                  build=args.build, autotune=False if args.no_autotune else None,
-                                 cache=not args.no_cache, tp=args.tp, **kwargs)
+                                 cache=not args.no_cache, tp=args.tp, revision=None if path else args.revision,
+                                 **kwargs)
 
 
 def _speculative(args) -> dict | None:
@@ -223,7 +228,8 @@ def _serve(args) -> int:
         model = _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
                          speculative=_speculative(args))
         return follow(model, chunk_size=chunk_size, prefix_caching=args.prefix_caching)
-    name = args.served_model_name or ("default" if args.path is None else Path(args.path).name)
+    name = args.served_model_name or ("default" if args.path is None
+                                      else args.path if is_hub_id(args.path) else Path(args.path).name)
     return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
                                   speculative=_speculative(args)),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
@@ -268,7 +274,7 @@ def _inspect(args) -> int:
     from qrt.runtime.registry import ModelRegistry
     from qrt.runtime.resolve import resolve
 
-    resolved = resolve(args.path, args.quant, LoadConfig())
+    resolved = resolve(args.path, args.quant, LoadConfig(), revision=args.revision)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 describes the checkpoint
         print(f"checkpoint:    {resolved.path}")
         print(f"architectures: {resolved.hf_config.get('architectures')}  "

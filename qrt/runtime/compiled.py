@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from qrt.checkpoint.config import DeviceConfig, LoadConfig
+from qrt.checkpoint.hub import locate
 from qrt.checkpoint.loader import load_model
 from qrt.checkpoint.tokenizer import eos_token_ids
 from qrt.layers.prepack import prepack_cpu_weights
@@ -48,11 +49,15 @@ def compile_model(
     progress: bool = True,
     tp: int = 1,
     speculative: dict | SpeculativeConfig | None = None,
+    revision: str | None = None,
 ) -> "CompiledModel":
-    """Load a Hugging Face checkpoint folder, quantize or repack it, and compile it.
+    """Load a Hugging Face checkpoint, quantize or repack it, and compile it.
 
-    path: a checkpoint folder (config.json + safetensors [+ tokenizer]) or a .gguf file;
-    None: the default model.
+    path: a checkpoint folder (config.json + safetensors [+ tokenizer]), a .gguf file, or a Hugging
+    Face Hub id ("ORG/NAME", or "ORG/NAME:FILE.gguf" / "ORG/NAME:Q4_K_M" for a GGUF repository)
+    fetched into the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN apply); None: the
+    default model. A local path that exists always wins over a hub id.
+    revision: the hub id's branch, tag or commit (default: main).
     quant: None to run weights as stored, or an online format ("fp8") for a bf16/fp16 checkpoint.
     compile=False runs eagerly with the reference ops (the numerical oracle).
     warmup compiles prefill and decode now (and says how long it took) instead of on first use.
@@ -90,7 +95,7 @@ def compile_model(
         device = rank_device(torch.device(device), parallel)
     load_config = load_config or LoadConfig(progress=progress)
     device_config = device_config or DeviceConfig(device=device, dtype=dtype)
-    resolved = resolve(path, quant, load_config, progress=progress)
+    resolved = resolve(path, quant, load_config, revision=revision, progress=progress)
     path, checkpoint, hf_config = resolved.path, resolved.checkpoint, resolved.hf_config
     model_cls, scheme = resolved.model_cls, resolved.scheme
     model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel)
@@ -134,7 +139,7 @@ def _compile_draft(spec: SpeculativeConfig, target: "CompiledModel", target_path
 
         draft_path = default_model_path(progress=False)
     else:
-        draft_path = spec.model
+        draft_path = locate(spec.model, progress=False)
     if Path(draft_path).resolve() == Path(target_path).resolve() and spec.quant == target_quant:
         raise ValueError("speculative draft: the draft is the model's own checkpoint with the same quant, so it "
                          "would be the model again; give it a 'quant' (such as 'int4') or another 'model'")

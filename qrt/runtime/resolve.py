@@ -1,5 +1,6 @@
 """The first step of loading, shared by `compile_model` and `qrt inspect`: from what a user names
-(a checkpoint folder, a GGUF file, or nothing for the default model) and a `quant=` argument to
+(a checkpoint folder, a GGUF file, a Hugging Face Hub id, or nothing for the default model) and a
+`quant=` argument to
 the opened checkpoint, the model class of its architecture and its quantization scheme. Each of
 these fails here, before any weight is read, with an error that names the file."""
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qrt.checkpoint.config import LoadConfig
+from qrt.checkpoint.hub import locate
 from qrt.checkpoint.source import open_checkpoint
+from qrt.formats.catalog import side_file_names
 from qrt.formats.resolve import resolve_scheme
 from qrt.formats.scheme import QuantScheme
 
@@ -26,13 +29,16 @@ class Resolved:
         return self.checkpoint.hf_config
 
 
-def resolve(path, quant: str | None, load_config: LoadConfig, *, progress: bool = True) -> Resolved:
-    """path None: the default model (fetched from its package on first use, with a progress bar
-    where `progress`)."""
+def resolve(path, quant: str | None, load_config: LoadConfig, *, revision: str | None = None,
+            progress: bool = True) -> Resolved:
+    """path None: the default model (made from its package on first use, with a progress bar
+    where `progress`). A hub id (checkpoint/hub.py) is fetched at `revision` into the Hugging Face
+    cache, or found there."""
     if path is None:
         from .default_model import default_model_path
 
         path = default_model_path(progress=progress)
+    path = locate(path, revision, progress, side_files=side_file_names())
     checkpoint = open_checkpoint(path, load_config)
     model_cls = ModelRegistry.resolve(checkpoint.hf_config, source=checkpoint.config_path)
     scheme = resolve_scheme(checkpoint.hf_config, quant, checkpoint.config_path, checkpoint.folder)
