@@ -102,10 +102,10 @@ def compiled():
     """compile_model(folder, quant) cached per (folder, quant): each compile costs seconds."""
     cache = {}
 
-    def get(folder, quant=None):
-        key = (str(folder), quant)
+    def get(folder, quant=None, dtype=None):
+        key = (str(folder), quant, dtype)
         if key not in cache or _lost_its_graphs(cache[key]):
-            cache[key] = runtime.compile_model(folder, quant=quant, progress=False, max_seq_len=128)
+            cache[key] = runtime.compile_model(folder, quant=quant, dtype=dtype, progress=False, max_seq_len=128)
         return cache[key]
 
     return get

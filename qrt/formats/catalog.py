@@ -14,6 +14,7 @@ from .compressed_tensors import marlin24  # noqa: F401
 from . import gptq  # noqa: F401
 from . import awq  # noqa: F401
 from . import qqq  # noqa: F401
+from . import gguf  # noqa: F401  llama.cpp GGUF files loaded as stored
 
 # Online formats, applied to an unquantized checkpoint while it loads.
 from . import fp8_online  # noqa: F401
@@ -54,7 +55,7 @@ def formats_markdown() -> str:
         return [formats[name] for name in sorted(formats)]
 
     for fmt in by_name(stored_formats()):
-        lines.append(f"| `{fmt.quant_method}` | `quantization_config.quant_method` | {fmt.summary} |")
+        lines.append(f"| `{fmt.quant_method}` | {fmt.detected_from} | {fmt.summary} |")
     for ct in by_name(compressed_tensors_formats()):
         lines.append(f"| compressed-tensors `{ct.name}` | its config group | {ct.summary} |")
     for side in by_name(side_file_formats()):

@@ -27,6 +27,7 @@ class StoredFormat:
     # For the side files older GPTQ/AWQ exports carry (quantize_config.json, quant_config.json),
     # which may not say their quant_method: does this config look like one of this format's?
     claims_side_file: Callable | None = None
+    detected_from: str = "`quantization_config.quant_method`"  # for the format table
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,10 @@ def _add(table: dict, key: str, entry) -> None:
     table[key] = entry
 
 
-def stored_format(quant_method: str, *, summary: str, claims_side_file: Callable | None = None):
+def stored_format(quant_method: str, *, summary: str, claims_side_file: Callable | None = None,
+                  detected_from: str = StoredFormat.detected_from):
     def register(read):
-        _add(STORED, quant_method, StoredFormat(quant_method, read, summary, claims_side_file))
+        _add(STORED, quant_method, StoredFormat(quant_method, read, summary, claims_side_file, detected_from))
         return read
     return register
 

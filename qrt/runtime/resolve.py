@@ -39,7 +39,8 @@ def resolve(path, quant: str | None, load_config: LoadConfig, *, revision: str |
 
         path = default_model_path(progress=progress)
     path = locate(path, revision, progress, side_files=side_file_names())
-    checkpoint = open_checkpoint(path, load_config)
+    # A GGUF runs in its own quantization unless another is asked for ("none": dequantized).
+    checkpoint = open_checkpoint(path, load_config, keep_quantized=quant in (None, "gguf"))
     model_cls = ModelRegistry.resolve(checkpoint.hf_config, source=checkpoint.config_path)
     scheme = resolve_scheme(checkpoint.hf_config, quant, checkpoint.config_path, checkpoint.folder)
     return Resolved(Path(path), checkpoint, model_cls, scheme)

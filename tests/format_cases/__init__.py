@@ -27,6 +27,7 @@ class FormatCase:
     cpu_kernels: frozenset  # the kernels its quantized layers run, after the swap pass
     cuda_kernels: frozenset
     fuses_on_cuda: bool = False  # the fusion pass hands its GEMMs int8 activations (dynamic symmetric ones)
+    dtype: str | None = None  # the model dtype it is loaded in (None: the checkpoint's)
 
 
 def registry_ids() -> set[str]:

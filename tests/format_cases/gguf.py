@@ -1,0 +1,86 @@
+"""The gguf format: a tiny Llama written as a llama.cpp GGUF file by gguf-py's writer, its linear
+weights quantized by gguf-py's quantizer (Q4_0, Q4_1, Q8_0 by layer), the q and k rows permuted as
+llama.cpp's converter permutes them."""
+
+import numpy as np
+import torch
+from tiny_checkpoints import make_checkpoint
+
+from . import INT_CUDA, FormatCase
+
+# The tiny Llama's linears by GGUF name, and the type each is written in: every kept type runs,
+# and q/k/v (one fused layer) share one.
+_LINEARS = {"attn_q": ("self_attn.q_proj", "Q4_0"), "attn_k": ("self_attn.k_proj", "Q4_0"),
+            "attn_v": ("self_attn.v_proj", "Q4_0"), "attn_output": ("self_attn.o_proj", "Q4_1"),
+            "ffn_gate": ("mlp.gate_proj", "Q4_1"), "ffn_up": ("mlp.up_proj", "Q4_1"),
+            "ffn_down": ("mlp.down_proj", "Q8_0")}
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py reorders q and k rows from HF's rotate-half halves into
+    interleaved pairs (what its RoPE reads)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed: int = 0):
+    """A tiny Llama as `folder`/model.gguf; returns the HF model it was made from (float32).
+    types: GGUF linear name -> GGML type (default _LINEARS')."""
+    import gguf
+
+    hf_dir = folder / "hf"
+    model = make_checkpoint(hf_dir, "llama", seed=seed, tie=tie)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    state = {name: t.float().numpy() for name, t in model.state_dict().items()}
+
+    def add(name, array, ggml_type="F32"):
+        if ggml_type == "F32":
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            kind = gguf.GGMLQuantizationType[ggml_type]
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    if not tie:
+        add("output.weight", state["lm_head.weight"], "Q8_0")
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", state[prefix + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", state[prefix + "post_attention_layernorm.weight"])
+        for short, (hf_name, default_type) in _LINEARS.items():
+            weight = state[prefix + hf_name + ".weight"]
+            if short == "attn_q":
+                weight = llama_cpp_permute(weight, cfg.num_attention_heads)
+            elif short == "attn_k":
+                weight = llama_cpp_permute(weight, cfg.num_key_value_heads)
+            add(f"blk.{i}.{short}.weight", weight, (types or {}).get(short, default_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def _case(folder) -> None:
+    write_gguf_llama(folder)
+    # The model is the GGUF alone: no config.json beside it.
+    for path in sorted((folder / "hf").iterdir()):
+        path.unlink()
+    (folder / "hf").rmdir()
+
+
+# float32, as the other cases' checkpoints are (a GGUF file names no dtype: bf16 by default),
+# so that compiled and eager agree to float32 rounding and no dense layer is packed for bf16.
+CASES = {
+    "stored:gguf": FormatCase(_case, None, frozenset({"qrt.int4pack_linear"}), INT_CUDA, dtype="float32"),
+}
