@@ -17,7 +17,6 @@ Run on a quiet machine.
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,16 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.measure import timed_runs  # noqa: E402
+from bench.measure import median_us  # noqa: E402
 
 SHAPES = ((1536, 576), (576, 1536), (3072, 576), (5632, 2048), (2048, 5632))  # [N, K]
 GROUP = 64
 BLOCK_N = 64  # ATen's CPU int4 pack: blocks of 64 output rows, two nibbles per byte (row d, row d + 32)
 
 
-def median_ms(fn, calls: int = 20) -> float:
-    fn()  # and timed_runs makes a second untimed call
-    return statistics.median(timed_runs(fn, calls)) * 1e3
+def median_ms(fn) -> float:
+    return median_us(fn, calls=20, warmup=2) / 1e3
 
 
 def dequantize_aten_int4(packed: torch.Tensor, scale_offsets: torch.Tensor, group: int) -> torch.Tensor:

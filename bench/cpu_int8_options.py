@@ -21,9 +21,7 @@ each option's output is from the exact reference (relative L2), since they round
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
@@ -31,22 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.measure import median_us  # noqa: E402
 import qrt.kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
 from qrt.kernels.int8_reference import int8_linear_reference, quantize_rows_int8  # noqa: E402
 
 SHAPES = ((1536, 576), (576, 1536), (2048, 2048))  # [N, K]: SmolLM2 MLP up/down, a 1B-class square
 ROWS = (1, 32)  # M: a decode step, a short prompt
-
-
-def median_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def _grid(x):
@@ -105,7 +93,7 @@ def main() -> None:
                 with torch.no_grad(), torch._inductor.config.patch(freezing=True):
                     compiled = torch.compile(fn, fullgraph=True)
                     out = compiled(x)
-                    us = median_us(lambda: compiled(x), args.calls)
+                    us = median_us(lambda: compiled(x), calls=args.calls)
                 error = float((out.double() - exact.double()).norm() / exact.double().norm())
                 print(f"{n}x{k:<7} {m:>3}  {name:<32} {us:10.1f}  {error:16.2e}", flush=True)
                 torch._dynamo.reset()  # each option compiles on its own
