@@ -1,6 +1,6 @@
 """Ways to run a 4-bit weight-only linear on the CPU at decode shape (M = 1), against bf16.
 
-    python bench/cpu_int4_options.py [--threads 2]
+    python -m bench.cpu_int4_options [--threads 2]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632), the
 median of 200 calls (after 20 warm-up calls), each on another copy of the weights from a ring of
@@ -19,14 +19,11 @@ hold against the machine's read bandwidth. Run on a quiet machine.
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.measure import median_us, ring  # noqa: E402
+from bench.measure import median_us, ring
 
 SHAPES = ((576, 576), (3072, 576), (576, 1536), (2048, 2048), (11264, 2048), (2048, 5632))  # [N, K]
 

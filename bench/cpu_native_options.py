@@ -1,6 +1,6 @@
 """qrt's own CPU kernels (qrt/kernels/csrc/quantized_cpu.cpp) against the ones they replace, by rows M.
 
-    python bench/cpu_native_options.py [--threads 2] [--m 1,8,16,32,64,128,512]
+    python -m bench.cpu_native_options [--threads 2] [--m 1,8,16,32,64,128,512]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632) and each
 M, the median µs of a number of calls, each on another copy of the weights from a ring of 512 MiB,
@@ -28,14 +28,11 @@ route is checked against a float reference before it is timed. Run on a quiet ma
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.measure import median_us, ring  # noqa: E402
-from qrt.kernels import fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, native_cpu  # noqa: E402
+from bench.measure import median_us, ring
+from qrt.kernels import fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, native_cpu
 
 SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 2048), (11264, 2048),
           (2048, 5632))  # [N, K]

@@ -2,12 +2,12 @@
 and torch.compile with a static cache) and llama.cpp: load, compile, warm start, prefill, decode at
 batch 1 and 8, peak memory, and each decode figure against this machine's memory roofline.
 
-    python bench/suite.py                        # the default model (SmolLM2-135M-Instruct)
-    python bench/suite.py --model 1b             # a random-weight Llama of 0.85B, written on first use
-    python bench/suite.py --model moe --quant bf16,int4,fp8 --engines qrt,transformers  # a random-weight MoE
-    python bench/suite.py --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
-    python bench/suite.py --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
-    python bench/suite.py --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
+    python -m bench.suite                        # the default model (SmolLM2-135M-Instruct)
+    python -m bench.suite --model 1b             # a random-weight Llama of 0.85B, written on first use
+    python -m bench.suite --model moe --quant bf16,int4,fp8 --engines qrt,transformers  # a random-weight MoE
+    python -m bench.suite --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
+    python -m bench.suite --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
+    python -m bench.suite --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows decode by several times (the
 load average is printed, with a warning when it is high). Each measurement is a fresh process
@@ -48,21 +48,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.chart import write_chart  # noqa: E402
-from bench.gguf_variants import default_model_ggufs  # noqa: E402
-from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,  # noqa: E402
+from bench.chart import write_chart
+from bench.gguf_variants import default_model_ggufs
+from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,
                            print_machine_state, print_table, prompt_ids)
-from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,  # noqa: E402
+from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,
                             roofline_tok_s)
-from qrt.checkpoint.config import read_hf_config  # noqa: E402
-from bench.quants import QUANTS  # noqa: E402
-from qrt.formats.catalog import online_formats  # noqa: E402
+from qrt.checkpoint.config import read_hf_config
+from bench.quants import QUANTS
+from qrt.formats.catalog import online_formats
 
-ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
+ENGINES_MODULE = "bench.engines"  # run with -m: its own process per job
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
 HF_EAGER = "transformers eager bf16"
 SMOKE = {"prompt_tokens": 16, "new_tokens": 4, "runs": 1, "batch": 2}
@@ -142,7 +140,7 @@ class Runner:
             env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         started = time.perf_counter()
         # The job's own output goes to stderr: stdout carries only the suite's tables.
-        status = subprocess.run([sys.executable, str(ENGINES_SCRIPT), str(job_file), str(result_file)], env=env,
+        status = subprocess.run([sys.executable, "-m", ENGINES_MODULE, str(job_file), str(result_file)], env=env,
                                 stdout=sys.stderr).returncode
         if not result_file.is_file():
             return {"error": f"the job's process exited with status {status} before writing a result"}
