@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gguf_variants import default_model_ggufs
+from bench.tools.gguf_variants import default_model_ggufs
 from bench.measure import (fmt_spread, log, machine_state, name_list, positive_int, print_machine_state,
                            print_table, prompt_ids)
 from bench.quants import QUANTS

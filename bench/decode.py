@@ -6,7 +6,7 @@ on one checkpoint, in one run.
         --threads 2 --json out.json
     python -m bench.decode --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
     python -m bench.decode --checkpoint hf-fp8=/tmp/smol-fp8   # also a pre-quantized copy, as stored
-                                                              # (made by bench/export_fp8.py)
+                                                              # (made by bench/tools/export_fp8.py)
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows 2-thread decode by several
 times (the script prints the load average and warns when it is high). Every engine gets the same

@@ -14,7 +14,7 @@ Sections (--only); the kernel ones are timed next to bf16 F.linear at M in {1, 1
 - int8: W8A8 and W4A8 g128 (int8_triton.py, w4a8_triton.py), the fused RMSNorm + int8 quantizer
   followed by the W8A8 GEMM alone, and torch._int_mm with torch ops quantizing and rescaling around
   it (on CUDA it needs M > 16, so it has no rows at M = 1 and 16);
-- decode: the random-weight ~1B Llama of bench/random_llama.py through
+- decode: the random-weight ~1B Llama of bench/tools/random_llama.py through
   `runtime.compile_model(path, quant, device="cuda")` in bf16, fp8 and int4: 128 new tokens after a
   32-token prompt, median of 3 runs [min–max], as a fraction of its roofline (HBM ceiling ÷ weight
   bytes per decode step).
@@ -62,7 +62,7 @@ import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.int_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
 from bench.measure import TokenClock, check_length, name_list, prompt_ids, speeds, timed_decodes, timed_runs
-from bench.random_llama import LLAMA_1B, random_llama_path
+from bench.tools.random_llama import LLAMA_1B, random_llama_path
 from bench.roofline import weight_bytes_per_token
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
 from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton

@@ -328,9 +328,9 @@ def peer_gguf(args) -> tuple[Path | None, str]:
     """The default model's GGUF in the precision qrt serves, or why there is none."""
     if args.model is not None:
         return None, "llama.cpp runs only on the default model here (its GGUF ships with it)"
-    from bench.gguf_variants import default_model_ggufs
+    from bench.tools.gguf_variants import default_model_ggufs
 
-    # The default model's GGUFs (bench/gguf_variants.py): its own Q4_1 and the BF16 and Q8_0 made from it.
+    # The default model's GGUFs (bench/tools/gguf_variants.py): its own Q4_1 and the BF16 and Q8_0 made from it.
     wanted = {None: "BF16", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}.get(args.quant)
     for gguf in default_model_ggufs():
         if wanted and wanted in gguf.name:

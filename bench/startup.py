@@ -77,7 +77,7 @@ def start_rows(runner: Runner, args) -> list[dict]:
 def depth_rows(runner: Runner, args, work: Path) -> list[dict]:
     """Cold regional bf16 compile time of the default model, and of the 0.85B Llama's shape with
     16 and 60 layers (dummy weights), each in a fresh cache folder."""
-    from bench.random_llama import LLAMA_1B
+    from bench.tools.random_llama import LLAMA_1B
 
     rows = []
     default_job = runner.job("qrt-start", "default model", 1, qrt_cache=work / "depth-default", quant=None,

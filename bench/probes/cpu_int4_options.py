@@ -1,6 +1,6 @@
 """Ways to run a 4-bit weight-only linear on the CPU at decode shape (M = 1), against bf16.
 
-    python -m bench.cpu_int4_options [--threads 2]
+    python -m bench.probes.cpu_int4_options [--threads 2]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632), the
 median of 200 calls (after 20 warm-up calls), each on another copy of the weights from a ring of

@@ -1,6 +1,6 @@
 """qrt's own CPU kernels (qrt/kernels/csrc/quantized_cpu.cpp) against the ones they replace, by rows M.
 
-    python -m bench.cpu_native_options [--threads 2] [--m 1,8,16,32,64,128,512]
+    python -m bench.probes.cpu_native_options [--threads 2] [--m 1,8,16,32,64,128,512]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632) and each
 M, the median µs of a number of calls, each on another copy of the weights from a ring of 512 MiB,

@@ -1,10 +1,10 @@
 """Write an FP8 copy of a bf16 Hugging Face checkpoint in another tool's on-disk layout, so the
 pre-quantized loaders can be benchmarked on a real model.
 
-    python -m bench.export_fp8 DST --layout hf-fp8        # per-tensor weights, dynamic activations
-    python -m bench.export_fp8 DST --layout hf-fp8-block  # block weights (--block, default 128)
-    python -m bench.export_fp8 DST --layout ct-channel    # compressed-tensors, per-channel weights
-    python -m bench.export_fp8 DST --layout hf-fp8 --src path/to/bf16-checkpoint  # default: the default model
+    python -m bench.tools.export_fp8 DST --layout hf-fp8        # per-tensor weights, dynamic activations
+    python -m bench.tools.export_fp8 DST --layout hf-fp8-block  # block weights (--block, default 128)
+    python -m bench.tools.export_fp8 DST --layout ct-channel    # compressed-tensors, per-channel weights
+    python -m bench.tools.export_fp8 DST --layout hf-fp8 --src path/to/bf16-checkpoint  # default: the default model
 
 Only layouts with dynamic activations are offered: static input scales need a calibration run.
 Every linear layer of the decoder is quantized; embeddings and lm_head stay as they are.

@@ -1,6 +1,6 @@
 """Where a compiled prefill spends its time: the ops of one prompt, by self time.
 
-    python -m bench.profile_prefill [checkpoint] [--quant fp8] [--prompt-tokens 512] [--threads 2]
+    python -m bench.profiles.profile_prefill [checkpoint] [--quant fp8] [--prompt-tokens 512] [--threads 2]
 
 Compiles the model (the default model without a checkpoint), times a few prefills of a random
 prompt (medians printed), then profiles one with torch.profiler and prints the ops that took the

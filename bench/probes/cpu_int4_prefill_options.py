@@ -1,6 +1,6 @@
 """Ways to run a 4-bit weight-only linear on the CPU at prefill shapes (M = 64 .. 512), against bf16.
 
-    python -m bench.cpu_int4_prefill_options [--threads 2] [--m 64,128,256,512]
+    python -m bench.probes.cpu_int4_prefill_options [--threads 2] [--m 64,128,256,512]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632), the
 median of 20 calls (after 2 warm-up calls) of:

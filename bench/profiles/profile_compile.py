@@ -1,8 +1,8 @@
 """Where qrt's start-up time goes: the phases of a cold start (empty Inductor cache) and of a warm
 start (a second process on the cache the first one filled), each in a process of its own.
 
-    python -m bench.profile_compile                  # the default model, bf16
-    python -m bench.profile_compile PATH --quant int4
+    python -m bench.profiles.profile_compile                  # the default model, bf16
+    python -m bench.profiles.profile_compile PATH --quant int4
 
 Phases come from torch's own compile timers (`torch._dynamo.utils.compilation_time_metrics`,
 which nest: each row here is a timer minus the timers inside it), summed over the prefill and
@@ -100,7 +100,7 @@ def child(args) -> None:
 
 
 def run_start(args, cache_dir: str) -> dict:
-    command = [sys.executable, "-m", "bench.profile_compile", "--child", "--quant", args.quant]
+    command = [sys.executable, "-m", "bench.profiles.profile_compile", "--child", "--quant", args.quant]
     command += [args.path] if args.path else []
     done = subprocess.run(command, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir},
                           capture_output=True, text=True)

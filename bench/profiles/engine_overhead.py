@@ -1,7 +1,7 @@
 """What the continuous-batching engine costs `generate` per decode step, in one run.
 
-    python -m bench.engine_overhead                      # the default model, bf16, 1 slot
-    python -m bench.engine_overhead PATH --quant int4 --slots 8 --steps 128 --runs 5
+    python -m bench.profiles.engine_overhead                      # the default model, bf16, 1 slot
+    python -m bench.profiles.engine_overhead PATH --quant int4 --slots 8 --steps 128 --runs 5
 
 Both sides decode the same greedy tokens with the same compiled graphs, one process, alternating
 runs: `raw` calls the decode graph directly in a loop (argmax, feed the token back); `generate` is

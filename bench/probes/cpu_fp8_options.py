@@ -1,6 +1,6 @@
 """Ways to run an fp8 linear on the CPU, timed at decode shape (M=1), to justify the CPU kernel.
 
-    python -m bench.cpu_fp8_options
+    python -m bench.probes.cpu_fp8_options
 
 Prints the median of 200 calls (after 10 warm-up calls) for each option and shape, on a quiet
 machine please: bf16 F.linear; fp8 weight converted to bf16 inside each call; an Inductor-fused

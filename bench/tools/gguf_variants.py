@@ -6,7 +6,7 @@ qrt's cache (bench/gguf/) by llama.cpp's own quantizer (`llama_model_quantize` w
 dequantized (runtime/default_model.py), so BF16 holds exactly its weights and Q8_0 is llama.cpp's
 8-bit quantization of them.
 
-    python -m bench.gguf_variants   # write them now and print their paths (needs llama-cpp-python)
+    python -m bench.tools.gguf_variants   # write them now and print their paths (needs llama-cpp-python)
 """
 
 import ctypes

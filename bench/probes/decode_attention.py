@@ -1,8 +1,8 @@
 """qrt's decode attention kernel (`qrt_cpu::decode_attention`) by context length: µs per call and
 the rate at which it reads its K and V, against the plain-torch reference op.
 
-    python -m bench.decode_attention                        # the default model's heads, bf16
-    python -m bench.decode_attention --heads 32,8,128 --contexts 512,2000,8000 --threads 2
+    python -m bench.probes.decode_attention                        # the default model's heads, bf16
+    python -m bench.probes.decode_attention --heads 32,8,128 --contexts 512,2000,8000 --threads 2
 
 One row of batch 1 attends over its first C cache entries. Each call takes another layer's cache
 from a ring of --layers caches (30, the default model's depth), so that K and V come from memory

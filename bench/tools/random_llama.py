@@ -3,7 +3,7 @@
 use in the qrt cache (bench/llama-1b-random) and reused afterwards. It shows how the cost of each
 engine grows with size; its outputs mean nothing.
 
-    python -m bench.random_llama          # make it (if absent) and print its folder
+    python -m bench.tools.random_llama          # make it (if absent) and print its folder
 
 The tensor names and shapes come from transformers' LlamaForCausalLM built on the meta device (no
 memory), and the file is written one tensor at a time, so beyond the imports the peak memory is one

@@ -1,8 +1,8 @@
 """Write a QQQ (W4A8) copy of a bf16 Hugging Face checkpoint in QQQ's on-disk layout, so the QQQ
 loader and the W4A8 path can be benchmarked on a real model next to the other formats:
 
-    python -m bench.export_qqq /tmp/smol-qqq                 # the default model, per channel
-    python -m bench.export_qqq DST --src PATH --group-size 128
+    python -m bench.tools.export_qqq /tmp/smol-qqq                 # the default model, per channel
+    python -m bench.tools.export_qqq DST --src PATH --group-size 128
     python -m bench.decode --quant bf16,int4,w8a8 --checkpoint qqq=/tmp/smol-qqq
 
 Round-to-nearest quantization with QQQ's conventions (docs/formats.md §6.3), not QQQ's own GPTQ and

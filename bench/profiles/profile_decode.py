@@ -1,8 +1,8 @@
 """Where one decode step of a compiled qrt model spends its time: a torch.profiler table by kernel
 kind, the time outside any kernel, and the step against this machine's bandwidth roofline.
 
-    python -m bench.profile_decode                        # the default model, bf16
-    python -m bench.profile_decode PATH --quant int4 --steps 64 --top 12
+    python -m bench.profiles.profile_decode                        # the default model, bf16
+    python -m bench.profiles.profile_decode PATH --quant int4 --steps 64 --top 12
 
 The model is compiled with Inductor's kernel profiling on (`cpp.enable_kernel_profile`), so every
 generated C++ kernel is an event of its own; the compile uses a fresh temporary Inductor cache

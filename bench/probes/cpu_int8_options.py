@@ -1,8 +1,8 @@
 """Ways to run a W8A8 linear (int8 weights per channel, int8 activations per token) on the CPU,
 timed at decode (M=1) and prefill (M=32) shapes, to choose the CPU kernel of `qrt::int8_linear`.
 
-    python -m bench.cpu_int8_options                # on a quiet machine: nothing else running
-    python -m bench.cpu_int8_options --calls 50     # quicker, noisier
+    python -m bench.probes.cpu_int8_options                # on a quiet machine: nothing else running
+    python -m bench.probes.cpu_int8_options --calls 50     # quicker, noisier
 
 Every option runs under torch.compile with Inductor freezing, as qrt compiles models on the CPU,
 and includes the per-token activation quantization; the baseline is a plain bf16 linear. Prints

@@ -4,7 +4,7 @@ token, 16 heads, 4 KV heads, vocab 32000, untied lm_head), as a bf16 safetensors
 hub's one-tensor-per-expert layout. Made on first use in the qrt cache (bench/moe-1b-random) and
 reused afterwards; its outputs mean nothing.
 
-    python -m bench.random_moe          # make it (if absent) and print its folder
+    python -m bench.tools.random_moe          # make it (if absent) and print its folder
 
 The router weights are random like the rest, so tokens spread over the experts about evenly: the
 roofline of a batch counts the experts a batch of that size is expected to touch under uniform
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.random_llama import INIT_STD, SEED, cached_random_checkpoint, write_safetensors
+from bench.tools.random_llama import INIT_STD, SEED, cached_random_checkpoint, write_safetensors
 
 MOE_1B = dict(
     hidden_size=1024,
