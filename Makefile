@@ -45,12 +45,12 @@ test-producers: producer-kit
 	$(PY) -m pytest -m producers
 
 bench: setup
-	$(PY) bench/decode.py --json bench/results/decode.json
+	$(PY) -m bench.decode --json bench/results/decode.json
 
 # Every engine and quantization on the default model; MODEL=1b for the random-weight ~1B Llama.
 MODEL ?= default
 bench-suite: setup $(VENV)/.bench-installed
-	$(PY) bench/suite.py --model $(MODEL) --json bench/results/suite.json --chart bench/results/suite.png
+	$(PY) -m bench.suite --model $(MODEL) --json bench/results/suite.json --chart bench/results/suite.png
 
 # The suite's chart needs matplotlib, the `bench` extra.
 $(VENV)/.bench-installed: $(VENV)/.installed

@@ -1,8 +1,8 @@
 """Teacher-forced top-1 agreement of each online quantization with bf16 on the default model.
 
-    python bench/agreement.py                       # every online quantization, compiled
-    python bench/agreement.py --eager               # the same without compiling
-    python bench/agreement.py --quant fp8 --weight-only-fp8
+    python -m bench.agreement                       # every online quantization, compiled
+    python -m bench.agreement --eager               # the same without compiling
+    python -m bench.agreement --quant fp8 --weight-only-fp8
 
 For each prompt, bf16 (eager reference ops) greedily continues 64 tokens; bf16 and every variant
 then score that whole sequence, and the argmax at each continuation position is compared. The
@@ -14,15 +14,11 @@ the weights, not in the activation rounding.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from qrt import runtime  # noqa: E402
-from qrt.formats.catalog import online_formats  # noqa: E402
+from qrt import runtime
+from qrt.formats.catalog import online_formats
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper.",

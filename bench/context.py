@@ -1,8 +1,8 @@
 """Batch-1 decode speed against the length of the context it attends over, qrt beside llama.cpp, in
 one run:
 
-    python bench/context.py                                  # bf16, int4; contexts 32 and 2000
-    python bench/context.py --quant bf16,fp8,int4,int8 --contexts 32,512,2000 --engines qrt,llama.cpp
+    python -m bench.context                                  # bf16, int4; contexts 32 and 2000
+    python -m bench.context --quant bf16,fp8,int4,int8 --contexts 32,512,2000 --engines qrt,llama.cpp
 
 Each decode step of a long context reads, beside the weights, every layer's K and V of every entry
 so far; this shows what that costs. For each engine and format, one fresh process per context
@@ -20,16 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.gguf_variants import default_model_ggufs  # noqa: E402
-from bench.measure import (fmt_spread, log, machine_state, name_list, positive_int, print_machine_state,  # noqa: E402
+from bench.tools.gguf_variants import default_model_ggufs
+from bench.measure import (fmt_spread, log, machine_state, name_list, positive_int, print_machine_state,
                            print_table, prompt_ids)
-from bench.quants import QUANTS  # noqa: E402
-from bench.suite import Runner, resolve_model  # noqa: E402
-from qrt.checkpoint.config import read_hf_config  # noqa: E402
+from bench.quants import QUANTS
+from bench.suite import Runner, resolve_model
+from qrt.checkpoint.config import read_hf_config
 
 ENGINES = ("qrt", "llama.cpp")
 

@@ -1,12 +1,12 @@
 """Prefill and decode speed of qrt (bf16, online fp8) against `transformers` eager bf16, batch 1,
 on one checkpoint, in one run.
 
-    python bench/decode.py                                   # the default model, every engine
-    python bench/decode.py PATH --quant bf16,fp8,int4,int8 --runs 5 --new-tokens 128 --prompt-tokens 32 \\
+    python -m bench.decode                                   # the default model, every engine
+    python -m bench.decode PATH --quant bf16,fp8,int4,int8 --runs 5 --new-tokens 128 --prompt-tokens 32 \\
         --threads 2 --json out.json
-    python bench/decode.py --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
-    python bench/decode.py --checkpoint hf-fp8=/tmp/smol-fp8   # also a pre-quantized copy, as stored
-                                                              # (made by bench/export_fp8.py)
+    python -m bench.decode --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
+    python -m bench.decode --checkpoint hf-fp8=/tmp/smol-fp8   # also a pre-quantized copy, as stored
+                                                              # (made by bench/tools/export_fp8.py)
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows 2-thread decode by several
 times (the script prints the load average and warns when it is high). Every engine gets the same
@@ -36,21 +36,18 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_state, name_list,  # noqa: E402
+from bench.measure import (check_length, fmt_ratio, fmt_spread, log, machine_state, name_list,
                            positive_int, print_machine_state, print_table, prompt_ids, speeds, timed_decodes,
                            timed_runs, TokenClock, TransformersClock, wall_time)
-from qrt.checkpoint.config import read_hf_config  # noqa: E402
-from bench.quants import QUANTS  # noqa: E402
-from qrt.formats.catalog import online_formats  # noqa: E402
+from qrt.checkpoint.config import read_hf_config
+from bench.quants import QUANTS
+from qrt.formats.catalog import online_formats
 
 HF = "transformers eager bf16"
 

@@ -1,6 +1,6 @@
 """One measurement of one engine, in a process of its own (bench/suite.py starts one per job):
 
-    python bench/engines.py JOB.json RESULT.json
+    python -m bench.engines JOB.json RESULT.json
 
 A fresh process keeps one engine's memory, threads, compiled graphs and in-memory caches out of the
 next one's figures, and makes its peak resident memory its own: VmHWM, the high-water mark of the
@@ -39,9 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from bench.measure import (TokenClock, TransformersClock, check_length, log, process_age, speeds,  # noqa: E402
+from bench.measure import (TokenClock, TransformersClock, check_length, log, process_age, speeds,
                            timed_decodes, timed_runs, wall_time)
 
 

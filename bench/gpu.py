@@ -1,9 +1,9 @@
 """Every Triton GEMM of qrt, checked against its plain-torch reference op and timed against torch's
 own GEMMs, as fractions of this card's measured ceilings; then decode tokens/s of a ~1B Llama.
 
-    python bench/gpu.py                                    # one H100/H200, under 8 minutes
-    python bench/gpu.py --only fp8,int8                    # some sections: fp8, int, int8, decode
-    TRITON_INTERPRET=1 python bench/gpu.py --smoke         # CPU: toy sizes, every check, no timing worth reading
+    python -m bench.gpu                                    # one H100/H200, under 8 minutes
+    python -m bench.gpu --only fp8,int8                    # some sections: fp8, int, int8, decode
+    TRITON_INTERPRET=1 python -m bench.gpu --smoke         # CPU: toy sizes, every check, no timing worth reading
 
 Sections (--only); the kernel ones are timed next to bf16 F.linear at M in {1, 16, 256, 4096} on
 [N, K] weights of 4096x4096 and 4096x14336 (Llama-3-8B's attention output and MLP down projection):
@@ -14,7 +14,7 @@ Sections (--only); the kernel ones are timed next to bf16 F.linear at M in {1, 1
 - int8: W8A8 and W4A8 g128 (int8_triton.py, w4a8_triton.py), the fused RMSNorm + int8 quantizer
   followed by the W8A8 GEMM alone, and torch._int_mm with torch ops quantizing and rescaling around
   it (on CUDA it needs M > 16, so it has no rows at M = 1 and 16);
-- decode: the random-weight ~1B Llama of bench/random_llama.py through
+- decode: the random-weight ~1B Llama of bench/tools/random_llama.py through
   `runtime.compile_model(path, quant, device="cuda")` in bf16, fp8 and int4: 128 new tokens after a
   32-token prompt, median of 3 runs [min–max], as a fraction of its roofline (HBM ceiling ÷ weight
   bytes per decode step).
@@ -50,29 +50,26 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import qrt.kernels.fp8_block_triton  # noqa: E402,F401  (registers the Triton ops)
-import qrt.kernels.fp8_static_triton  # noqa: E402,F401
-import qrt.kernels.int8_fused_triton  # noqa: E402,F401
-import qrt.kernels.int8_triton  # noqa: E402,F401
-import qrt.kernels.int_triton  # noqa: E402,F401
-import qrt.kernels.w4a8_triton  # noqa: E402,F401
-from bench.measure import TokenClock, check_length, name_list, prompt_ids, speeds, timed_decodes, timed_runs  # noqa: E402
-from bench.random_llama import LLAMA_1B, random_llama_path  # noqa: E402
-from bench.roofline import weight_bytes_per_token  # noqa: E402
-from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8  # noqa: E402
-from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton  # noqa: E402
-from qrt.kernels.activation_reference import rms_norm  # noqa: E402
-from qrt.kernels.int8_reference import quantize_rows_int8  # noqa: E402
-from qrt.kernels.int_reference import pack_rows  # noqa: E402
-from qrt.runtime import compile_model  # noqa: E402
+import qrt.kernels.fp8_block_triton  # noqa: F401  (registers the Triton ops)
+import qrt.kernels.fp8_static_triton  # noqa: F401
+import qrt.kernels.int8_fused_triton  # noqa: F401
+import qrt.kernels.int8_triton  # noqa: F401
+import qrt.kernels.int_triton  # noqa: F401
+import qrt.kernels.w4a8_triton  # noqa: F401
+from bench.measure import TokenClock, check_length, name_list, prompt_ids, speeds, timed_decodes, timed_runs
+from bench.tools.random_llama import LLAMA_1B, random_llama_path
+from bench.roofline import weight_bytes_per_token
+from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
+from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton
+from qrt.kernels.activation_reference import rms_norm
+from qrt.kernels.int8_reference import quantize_rows_int8
+from qrt.kernels.int_reference import pack_rows
+from qrt.runtime import compile_model
 
 SECTIONS = ("fp8", "int", "int8", "decode")
 ROWS = (1, 16, 256, 4096)

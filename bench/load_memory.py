@@ -1,7 +1,7 @@
 """Peak resident memory while loading a checkpoint, against the size of the loaded model.
 
-    python bench/load_memory.py                      # the default model, bf16 and online fp8
-    python bench/load_memory.py PATH --quant none,fp8
+    python -m bench.load_memory                      # the default model, bf16 and online fp8
+    python -m bench.load_memory PATH --quant none,fp8
 
 Each load runs in a fresh process: the figure is VmHWM (peak resident set) minus VmRSS after
 imports, so it covers reading the weights, quantizing them, the loader pass and the tokenizer.

@@ -1,5 +1,6 @@
 """What the speed benchmarks (bench/decode.py, bench/suite.py) share: the prompt every engine gets,
-the machine's state, timing, the spread of several runs, and plain-text tables.
+the machine's state, timing (seconds of whole runs, and the median µs of one kernel call that the
+kernel probes report), the spread of several runs, and plain-text tables.
 
 torch is imported inside the functions that need it: bench/engines.py measures llama.cpp's peak
 memory in a process that never loads torch."""
@@ -87,6 +88,35 @@ def timed_runs(fn, runs: int) -> list[float]:
     """Seconds of each of `runs` calls of fn, after one untimed call (warm caches, any recompile)."""
     fn()
     return [wall_time(fn) for _ in range(runs)]
+
+
+RING_BYTES = 512 * 2**20  # far more than a CPU's last-level cache
+RING_MOST = 4096  # copies at the most: enough to fill RING_BYTES with the smallest weight probed
+
+
+def ring(make, nbytes: int) -> list:
+    """Copies of the arguments make() returns (a tuple), `nbytes` each, for median_us to cycle
+    through: as many as fill RING_BYTES, at least 2 and at most RING_MOST.
+
+    A decode step reads each weight once, from memory. One weight called over and over stays in
+    the CPU's cache, and its calls would be timed at the cache's speed; cycling through more bytes
+    than the cache holds makes every call read its operands from memory, as in a model."""
+    return [make() for _ in range(max(2, min(RING_MOST, RING_BYTES // nbytes)))]
+
+
+def median_us(fn, operands=((),), calls: int = 200, warmup: int = 10) -> float:
+    """Median microseconds of one call of fn(*operands[i]) over `calls` timed calls, after `warmup`
+    untimed ones, each call taking the next entry of `operands` round the list: a ring(), or by
+    default the same empty arguments every time (a closure over its operands, which stay cached)."""
+    for i in range(warmup):
+        fn(*operands[i % len(operands)])
+    times = []
+    for i in range(calls):
+        args = operands[(warmup + i) % len(operands)]
+        started = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
 
 
 def spread(values: list[float]) -> dict:

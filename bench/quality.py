@@ -1,8 +1,8 @@
 """Perplexity of every online quantization next to the unquantized model, on one checkpoint and one text.
 
-    python bench/quality.py                     # the default model, the bundled text, every quant=
-    python bench/quality.py PATH --text FILE --window 512 --quant none,fp8 --json out.json
-    python bench/quality.py PATH --eager        # reference ops, no torch.compile (a quick check)
+    python -m bench.quality                     # the default model, the bundled text, every quant=
+    python -m bench.quality PATH --text FILE --window 512 --quant none,fp8 --json out.json
+    python -m bench.quality PATH --eager        # reference ops, no torch.compile (a quick check)
 
 The rows are `none` (weights as stored, run in --dtype: "bf16" for the default model) and every
 `quant=` name in the format registry's online formats, so a new online format gets a row with no change
@@ -18,12 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from qrt.formats.catalog import online_formats  # noqa: E402
-from qrt.runtime.evaluate import DEFAULT_TEXT, DEFAULT_WINDOW, check_window, perplexity_of_text, read_text  # noqa: E402
+from qrt.formats.catalog import online_formats
+from qrt.runtime.evaluate import DEFAULT_TEXT, DEFAULT_WINDOW, check_window, perplexity_of_text, read_text
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 

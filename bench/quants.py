@@ -4,12 +4,7 @@ Kept apart from bench/measure.py, which must not import torch (bench/engines.py 
 llama.cpp's memory in a process without it); formats.scheme does.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from qrt.formats.catalog import online_formats  # noqa: E402
+from qrt.formats.catalog import online_formats
 
 # "bf16": the checkpoint's weights as stored (the default model's are bf16); the rest are quantized
 # online while loading.

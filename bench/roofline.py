@@ -2,8 +2,8 @@
 decode step. One decode step reads every weight once (the embedding only a row per token), so a
 batch of B tokens can come no faster than B × bandwidth ÷ weight bytes per step.
 
-    python bench/roofline.py              # print the bandwidth (measured once, then cached)
-    python bench/roofline.py --remeasure  # measure again
+    python -m bench.roofline              # print the bandwidth (measured once, then cached)
+    python -m bench.roofline --remeasure  # measure again
 
 The bandwidth is the median of several sums of a 1 GiB fp32 tensor (read once, nothing written)
 with torch's threads, cached in the qrt cache under bench/bandwidth.json per thread count.
@@ -13,15 +13,12 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.measure import wall_time  # noqa: E402
-from qrt.runtime.default_model import cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+from bench.measure import wall_time
+from qrt.runtime.default_model import cache_root  # qrt's cache folder, QRT_CACHE_DIR aware
 
 BANDWIDTH_BYTES = 2**30
 BANDWIDTH_RUNS = 7

@@ -1,8 +1,8 @@
 """Load on `qrt serve`: concurrent streaming clients with mixed prompt lengths, in one run.
 
-    python bench/serve_load.py                                  # the default model, bf16
-    python bench/serve_load.py --levels 1,8 --duration 20 --soak 0
-    python bench/serve_load.py PATH --quant int4 --json bench/results/serve_load.json
+    python -m bench.serve_load                                  # the default model, bf16
+    python -m bench.serve_load --levels 1,8 --duration 20 --soak 0
+    python -m bench.serve_load PATH --quant int4 --json bench/results/serve_load.json
 
 It starts `qrt serve` (a fresh process on a free localhost port), then for each level of
 concurrency runs that many clients for --duration seconds. Each client sends completions one
@@ -53,11 +53,9 @@ from pathlib import Path
 
 import httpx2 as httpx  # the openai package's HTTP client, installed with the test extra
 
+from bench.measure import machine_state, print_machine_state, print_table
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.measure import machine_state, print_machine_state, print_table  # noqa: E402
-
 TARGETS = {"throughput_8_vs_1": 4.0, "ttft_p99_at_8_s": 2.0}
 READY_TIMEOUT_S = 900
 EVAL_TEXT = ROOT / "qrt" / "runtime" / "data" / "eval_text.txt"
@@ -330,9 +328,9 @@ def peer_gguf(args) -> tuple[Path | None, str]:
     """The default model's GGUF in the precision qrt serves, or why there is none."""
     if args.model is not None:
         return None, "llama.cpp runs only on the default model here (its GGUF ships with it)"
-    from bench.gguf_variants import default_model_ggufs
+    from bench.tools.gguf_variants import default_model_ggufs
 
-    # The default model's GGUFs (bench/gguf_variants.py): its own Q4_1 and the BF16 and Q8_0 made from it.
+    # The default model's GGUFs (bench/tools/gguf_variants.py): its own Q4_1 and the BF16 and Q8_0 made from it.
     wanted = {None: "BF16", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}.get(args.quant)
     for gguf in default_model_ggufs():
         if wanted and wanted in gguf.name:

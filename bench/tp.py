@@ -1,8 +1,8 @@
 """Tensor parallelism: decode tokens/s and per-rank peak RSS of the 0.85B random Llama
-(bench/random_llama.py) at tp=1 and tp=2, in one run.
+(bench/tools/random_llama.py) at tp=1 and tp=2, in one run.
 
-    python bench/tp.py                       # CPU: tp=1 on 2 threads, tp=2 on 1 thread per rank
-    python bench/tp.py --device cuda --tp 1,2,4   # one GPU per rank (NCCL), on a multi-GPU machine
+    python -m bench.tp                       # CPU: tp=1 on 2 threads, tp=2 on 1 thread per rank
+    python -m bench.tp --device cuda --tp 1,2,4   # one GPU per rank (NCCL), on a multi-GPU machine
 
 Each configuration runs under torchrun (also tp=1, so that all pay the same launcher), compiles
 the regional build (qrt's compile cache on), then decodes `--steps` tokens greedily `--runs`
@@ -27,8 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tp.json"
 PROMPT = list(range(100, 164))  # 64 token ids
@@ -104,7 +102,7 @@ def torchrun_localhost(nproc: int, program: list[str], env: dict, timeout: float
 def run_config(path: Path, tp: int, threads: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        program = [__file__, "--worker", "--path", str(path), "--tp", str(tp), "--threads", str(threads),
+        program = ["-m", "bench.tp", "--worker", "--path", str(path), "--tp", str(tp), "--threads", str(threads),
                    "--device", args.device, "--steps", str(args.steps), "--runs", str(args.runs), "--out", str(out)]
         try:
             done = torchrun_localhost(tp, program, {**os.environ, "OMP_NUM_THREADS": str(threads)}, args.timeout)
@@ -135,7 +133,7 @@ def main() -> int:
         worker(args)
         return 0
     if args.path is None:
-        from bench.random_llama import random_llama_path
+        from bench.tools.random_llama import random_llama_path
 
         args.path = random_llama_path()
     rows = []

@@ -1,7 +1,7 @@
-"""bench/profile_decode.py, bench/profile_compile.py, bench/context.py, bench/decode_attention.py and
-bench/structured_mask.py:
-their bookkeeping on made-up timers and event names, and one end-to-end run each on a tiny random
-Llama (or the kernel alone), so they cannot rot."""
+"""bench/profiles/profile_decode.py, bench/profiles/profile_compile.py, bench/context.py,
+bench/probes/decode_attention.py and bench/probes/structured_mask.py: their bookkeeping on made-up
+timers and event names, and one end-to-end run each on a tiny random Llama (or the kernel alone),
+so they cannot rot."""
 
 import os
 import re
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.profile_compile import PHASES, phases
-from bench.profile_decode import kind_of
+from bench.profiles.profile_compile import PHASES, phases
+from bench.profiles.profile_decode import kind_of
 from tiny_checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +54,11 @@ def one_layer_llama(tmp_path_factory):
     return folder
 
 
-def run_bench(script: str, *args, tmp_path) -> str:
+def run_bench(module: str, *args, tmp_path) -> str:
     # Autotuning off: it would time GEMMs for seconds; the bandwidth cache stays in tmp_path.
     env = {**os.environ, "QRT_AUTOTUNE": "0", "QRT_CACHE_DIR": str(tmp_path / "qrt-cache"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -66,7 +66,7 @@ def run_bench(script: str, *args, tmp_path) -> str:
 
 @pytest.mark.bench  # the script end to end, about 25 s: `make test-bench`, which CI runs after `make test`
 def test_profile_decode_accounts_for_the_whole_step(one_layer_llama, tmp_path):
-    out = run_bench("bench/profile_decode.py", str(one_layer_llama), "--steps", "8", tmp_path=tmp_path)
+    out = run_bench("bench.profiles.profile_decode", str(one_layer_llama), "--steps", "8", tmp_path=tmp_path)
     assert re.search(r"decode step: [\d.]+ ms without the profiler", out)
     assert re.search(r"this step reaches \d+% of it", out)
     shares = dict(re.findall(r"^(matmul|attention|fused elementwise|wrapper \(Python\)|other ATen|outside any kernel)"
@@ -96,7 +96,7 @@ def test_kv_bytes_per_step_counts_every_layers_k_and_v(one_layer_llama):
 
 @pytest.mark.bench  # one tiny model compiled once, then loaded at a second context: about 30 s
 def test_context_bench_times_each_context_with_one_cache(one_layer_llama, tmp_path):
-    out = run_bench("bench/context.py", "--model", str(one_layer_llama), "--quant", "bf16", "--engines", "qrt",
+    out = run_bench("bench.context", "--model", str(one_layer_llama), "--quant", "bf16", "--engines", "qrt",
                     "--contexts", "8,40", "--new-tokens", "4", "--runs", "1", tmp_path=tmp_path)
     assert "a KV cache of 45 entries for every context" in out, out
     assert re.search(r"^qrt bf16\s+[\d.]+ \[[\d.]+–[\d.]+\]\s+[\d.]+ \[[\d.]+–[\d.]+\]\s+[\d.]+$", out, re.M), out
@@ -108,7 +108,7 @@ def test_decode_attention_bench_checks_then_times_the_kernel(tmp_path):
 
     if native_cpu.why_not_wanted() is not None:
         pytest.skip(native_cpu.why_not_wanted())
-    out = run_bench("bench/decode_attention.py", "--contexts", "16,300", "--layers", "2", "--rounds", "1",
+    out = run_bench("bench.probes.decode_attention", "--contexts", "16,300", "--layers", "2", "--rounds", "1",
                     tmp_path=tmp_path)
     rows = re.findall(r"^\s+(16|300)\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)
     assert rows == [("16", "12"), ("300", "230")], out  # K+V KB: 2 x 3 heads x C x 64 x 2 bytes
@@ -116,7 +116,7 @@ def test_decode_attention_bench_checks_then_times_the_kernel(tmp_path):
 
 @pytest.mark.bench  # two compiles in subprocesses, about 30 s
 def test_profile_compile_shows_the_warm_start_served_from_the_cache(one_layer_llama, tmp_path):
-    out = run_bench("bench/profile_compile.py", str(one_layer_llama), tmp_path=tmp_path)
+    out = run_bench("bench.profiles.profile_compile", str(one_layer_llama), tmp_path=tmp_path)
     rows = {m[0].strip(): (float(m[1]), float(m[2]))
             for m in re.findall(r"^([A-Za-z+ ]+?)\s+(-?[\d.]+)\s+(-?[\d.]+)$", out, re.M)}
     assert set(PHASES) | {"total"} <= set(rows), out
@@ -127,7 +127,7 @@ def test_profile_compile_shows_the_warm_start_served_from_the_cache(one_layer_ll
 
 @pytest.mark.bench  # the default model's tokenizer and a few masks, a few seconds
 def test_structured_mask_bench_masks_every_row(tmp_path):
-    out = run_bench("bench/structured_mask.py", "--batch", "2", "--steps", "4", tmp_path=tmp_path)
+    out = run_bench("bench.probes.structured_mask", "--batch", "2", "--steps", "4", tmp_path=tmp_path)
     timing = r"vocabulary [\d.]+ s, schema [\d.]+ s, batch 2: \d+ µs per step \(p90 \d+\), \d+ µs per row$"
     assert re.search(r"^llguidance, " + timing, out, re.M), out
     # The other engines are measured where installed, and say so where not.

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.bench  # about a minute: `make test-bench`, which CI runs after `make test`
 def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
     report_path = tmp_path / "serve_load.json"
-    result = subprocess.run([sys.executable, "bench/serve_load.py", str(chat_llama_dir), "--levels", "1,2",
+    result = subprocess.run([sys.executable, "-m", "bench.serve_load", str(chat_llama_dir), "--levels", "1,2",
                              "--duration", "3", "--prompt-tokens", "8,40", "--max-tokens", "12", "--max-batch", "2",
                              "--max-seq-len", "256", "--soak", "6", "--soak-clients", "3", "--cancel-rate", "0.5",
                              "--no-peer", "--shared-prefix", "8", "--compare-prefix-caching",

@@ -23,7 +23,7 @@ def test_speculative_smoke_run(tmp_path):
     make_checkpoint(checkpoint, "llama", dtype=torch.bfloat16, num_hidden_layers=2, max_position_embeddings=2048)
     write_tokenizer(checkpoint)
     report_path = tmp_path / "speculative.json"
-    result = subprocess.run([sys.executable, "bench/speculative.py", str(checkpoint), "--quant", "bf16", "--k", "2",
+    result = subprocess.run([sys.executable, "-m", "bench.speculative", str(checkpoint), "--quant", "bf16", "--k", "2",
                              "--methods", "ngram,draft", "--draft-quant", "int8", "--runs", "1", "--new-tokens", "12",
                              "--workloads", "passage,free", "--json", str(report_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -23,7 +23,7 @@ def test_startup_smoke_run(tmp_path):
     make_checkpoint(checkpoint, "llama", dtype=torch.bfloat16, num_hidden_layers=2)
     report_path = tmp_path / "startup.json"
     env = {**os.environ, "QRT_CACHE_DIR": str(tmp_path / "qrt-cache")}
-    result = subprocess.run([sys.executable, "bench/startup.py", "--model", str(checkpoint), "--quant", "bf16",
+    result = subprocess.run([sys.executable, "-m", "bench.startup", "--model", str(checkpoint), "--quant", "bf16",
                              "--runs", "1", "--new-tokens", "4", "--prompt-tokens", "8", "--batch", "2",
                              "--no-depth", "--json", str(report_path)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""bench/suite.py --smoke runs end to end on a tiny random Llama: every engine's jobs in their own
+"""`python -m bench.suite --smoke` runs end to end on a tiny random Llama: every engine's jobs in their own
 processes, the JSON with every figure of every row, and the chart, so the suite cannot rot between
 the occasions it is run in full."""
 
@@ -27,7 +27,7 @@ def test_suite_smoke_run(tmp_path):
     make_checkpoint(checkpoint, "llama", dtype=torch.bfloat16, num_hidden_layers=1)  # 1 layer: compiles faster
     report_path, chart_path = tmp_path / "suite.json", tmp_path / "suite.png"
     env = {**os.environ, "QRT_CACHE_DIR": str(tmp_path / "qrt-cache")}  # the bandwidth cache stays in tmp_path
-    result = subprocess.run([sys.executable, "bench/suite.py", "--model", str(checkpoint), "--smoke",
+    result = subprocess.run([sys.executable, "-m", "bench.suite", "--model", str(checkpoint), "--smoke",
                              "--quant", "bf16", "--json", str(report_path), "--chart", str(chart_path)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -30,11 +30,11 @@ PROMPTS = (
     "Explain how photosynthesis works.",
     "What are the benefits of regular exercise?",
 )
-# The target was 0.95. Measured (python bench/agreement.py --quant fp8 --weight-only-fp8), mean over PROMPTS: 0.901 for fp8,
-# and 0.932 with fp8 weights but bf16 activations: most of the gap is the e4m3 rounding of the
-# weights themselves (3 mantissa bits), the rest the per-token rounding of activations; the eager
-# reference op and the compiled kernel agree. The bound sits a little under the measurement so
-# that summation-order noise cannot flip it.
+# The target was 0.95. Measured (python -m bench.agreement --quant fp8 --weight-only-fp8), mean over
+# PROMPTS: 0.901 for fp8, and 0.932 with fp8 weights but bf16 activations: most of the gap is the
+# e4m3 rounding of the weights themselves (3 mantissa bits), the rest the per-token rounding of
+# activations; the eager reference op and the compiled kernel agree. The bound sits a little under
+# the measurement so that summation-order noise cannot flip it.
 MIN_MEAN_AGREEMENT = 0.88
 
 
@@ -65,7 +65,7 @@ def test_fp8_agrees_with_bf16_teacher_forced(fp8_model, bf16_continuations):
     assert mean >= MIN_MEAN_AGREEMENT
 
 
-# Measured with `python bench/agreement.py --eager` (mean over PROMPTS): int8 0.953, int4 (groups
+# Measured with `python -m bench.agreement --eager` (mean over PROMPTS): int8 0.953, int4 (groups
 # of 32) 0.984, int4-g128 (groups of 64 on this model) 0.734. This model's weights are llama.cpp
 # Q4_1 values (4-bit in groups of 32 with a float minimum): int4 lands on that grid, which flatters
 # it, and int4-g128 re-rounds already-rounded weights onto a coarser one, which costs it more than

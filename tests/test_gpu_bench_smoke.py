@@ -14,7 +14,7 @@ SMOKE_ROWS = 2  # M = 1 and 5 on one toy shape
 
 def test_gpu_bench_smoke_run():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "bench/gpu.py", "--smoke"], cwd=ROOT, env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "bench.gpu", "--smoke"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     checks = [line for line in result.stdout.splitlines() if line.startswith("check ")]

@@ -20,7 +20,7 @@ import torch
 import tiny_checkpoints
 import w8a8_checkpoints
 from arch_checkpoints import make_arch_checkpoint
-from bench.random_llama import write_random_llama
+from bench.tools.random_llama import write_random_llama
 from bench.tp import torchrun_localhost
 from format_cases import CASES
 from fp8_checkpoints import make_fp8_checkpoint

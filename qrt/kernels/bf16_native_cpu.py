@@ -8,7 +8,7 @@ the outputs lie across the lanes and nothing is summed horizontally. The weight 
 
 Against oneDNN's linear on a prepacked weight, the layout it replaces, it measured 1.4-2.0x at
 M = 1 and 0.84-1.92x from M = 2 to 512 on the default model's and the 0.85B Llama's shapes
-(`bench/cpu_native_options.py`), and it is called from the compiled graph's C++ wrapper with no
+(`bench/probes/cpu_native_options.py`), and it is called from the compiled graph's C++ wrapper with no
 Python in between (oneDNN's carrier goes through a Python custom op, about 28 µs a call).
 
 Numerics: exact bf16 products summed in fp32, one fixed order per output, rounded once to bf16;

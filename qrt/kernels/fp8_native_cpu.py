@@ -8,7 +8,7 @@ The weights stay e4m3 as stored or quantized (half of bf16's bytes). Each op is 
 reference does (per token, per group of block_k, or with the static scale; AVX-512, where
 Inductor's fp8 conversion is one element at a time) and then, below `MIN_ROWS_DEQUANTIZED` rows,
 runs a GEMV that widens the fp8 bytes in registers, and from there dequantizes the weight tile
-by tile to bf16 for oneDNN's GEMM (bench/cpu_native_options.py measured both).
+by tile to bf16 for oneDNN's GEMM (bench/probes/cpu_native_options.py measured both).
 
 Numerics: the GEMV sums exact products in fp32, so it differs from the reference only in the
 summation order and the output's rounding; the dequantized route rounds as the widened-weight
@@ -23,7 +23,7 @@ from .choices import Kernel, declare
 from .fp8_reference import FP8_CODES
 
 # From this many rows on, dequantizing the weight and bf16 GEMMs beat the GEMV
-# (bench/cpu_native_options.py; docs/cpu-kernels.md).
+# (bench/probes/cpu_native_options.py; docs/cpu-kernels.md).
 MIN_ROWS_DEQUANTIZED = 128
 
 _lib = torch.library.Library("qrt", "FRAGMENT")

@@ -7,7 +7,7 @@ The activations are quantized to e4m3 inside the op exactly as the reference doe
 with a static scale); the codes are widened by table lookup in registers, and both scales
 multiply each output's fp32 sum once. Against `qrt_cpu::fp8_linear`'s GEMV on [N, K] codes, the
 outputs lie across the vector lanes (no horizontal sums) and the activations need no reordered,
-zero-padded copy (bench/cpu_native_options.py).
+zero-padded copy (bench/probes/cpu_native_options.py).
 
 Like the bf16 pairs, this layout is made by the loader step for compiled CPU models
 (layers/prepack.py), after the loader pass chose `qrt.fp8_linear_native_cpu` or its static

@@ -6,7 +6,7 @@ an even group size, qrt's library built): `pack_int4_for_cpu` (int_cpu.py) packs
 their group scales this way and `qrt::int4pack_linear` calls this op on them, at every M. Against
 ATen's CPU pack and its kernels (qrt's GEMV at one row, ATen's below 64 rows, dequantized tiles and
 oneDNN above), the codes widen to bf16 pairs in fewer instructions, a block's group scales lie
-together, and one op serves any number of rows (bench/cpu_native_options.py).
+together, and one op serves any number of rows (bench/probes/cpu_native_options.py).
 
 The layout: block b holds outputs 64 b .. 64 b + 63; its step j is 32 little-endian 16-bit words,
 word 2 i + t holding q[64 b + 16 c + i, 2 j + t] in nibble c (c = 0 .. 3, the low nibble first).
@@ -26,7 +26,7 @@ from . import native_cpu
 OUTPUTS_PER_BLOCK = 64
 STEP_BYTES = 64  # 64 outputs x 2 columns x 4 bits
 # The exact route's cost grows with M (it is compute-bound past a few rows), the dequantized route's
-# barely: at 32 rows the dequantized one is faster on every shape of bench/cpu_native_options.py,
+# barely: at 32 rows the dequantized one is faster on every shape of bench/probes/cpu_native_options.py,
 # at 16 on about half of them.
 MIN_ROWS_DEQUANTIZED = 32
 

@@ -10,7 +10,7 @@ summation order are the only differences from the reference. The weight scale is
 in fp32 (ATen's own scale argument gets ones: it would round the scale to bf16).
 
 Why this GEMM: it streams one byte per weight, and a decode step is a weight-bandwidth-bound
-GEMV. `bench/cpu_int8_options.py` times it against the alternatives (`torch._int_mm`, weights
+GEMV. `bench/probes/cpu_int8_options.py` times it against the alternatives (`torch._int_mm`, weights
 widened to bf16 once at load, an Inductor-fused dequantizing reduction).
 
 CompositeImplicitAutograd: in a compiled graph Inductor fuses the per-token quantization before

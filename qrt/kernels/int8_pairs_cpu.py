@@ -7,7 +7,7 @@ K even, qrt's library built): `pack_int8_for_cpu` (int_cpu.py) packs the codes t
 `qrt::int8pack_linear` calls this op on them, at every M. Against `qrt_cpu::int8pack_mm`, the
 [N, K] GEMV it replaces, the outputs lie across the vector lanes (no horizontal sums), the channel
 scales are read in the model dtype as they are (no per-call conversion) and the activations need
-no reordered copy, so a call allocates only its output (bench/cpu_native_options.py).
+no reordered copy, so a call allocates only its output (bench/probes/cpu_native_options.py).
 
 Numerics: the codes are exact in bf16, their products with x exact in fp32 and summed in fp32 in
 one fixed order per output; the scale multiplies the sum once, then one rounding to bf16.

@@ -18,7 +18,7 @@ fuses the gathers, corrections and bias around it. Where qrt's own CPU kernels b
 (native_cpu.py), that call is qrt's: `qrt_cpu::int4_pairs_linear` on codes in its own pack, or
 `qrt_cpu::int4pack_mm` / `int8pack_mm` on ATen's packs (ATen's kernel below
 `MIN_ROWS_DEQUANTIZED` rows, and from there the codes dequantized to bf16 and one oneDNN GEMM,
-which is faster for prompts; bench/cpu_native_options.py). The choice is made inside the op, at
+which is faster for prompts; bench/probes/cpu_native_options.py). The choice is made inside the op, at
 run time, so a prefill graph with a dynamic length needs no guard on it. Otherwise the ATen call
 itself (see passes/backend.py for how the int4 call is lowered in graphs without frozen weights).
 Scales must have the activations' dtype (ATen requires it), so they are rounded to the model
@@ -34,7 +34,7 @@ from .layouts import Layout, Packed
 
 INT4_CPU_GROUPS = (256, 128, 64, 32)
 # From this many rows on, dequantizing to bf16 and oneDNN's GEMM beat ATen's int4 and int8 kernels
-# (bench/cpu_native_options.py; docs/cpu-kernels.md).
+# (bench/probes/cpu_native_options.py; docs/cpu-kernels.md).
 MIN_ROWS_DEQUANTIZED = 64
 
 _lib = torch.library.Library("qrt", "FRAGMENT")

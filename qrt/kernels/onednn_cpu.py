@@ -10,7 +10,7 @@ storage. The graph, its fake tensors and its cache entries see only the carrier;
 looks the packed weight up when it runs.
 
 At M = 1 a decode step's GEMMs on prepacked weights take about two thirds of the time of `F.linear`
-on the same bf16 weights, which reorders them on every call (`bench/cpu_bf16_gemm_options.py`;
+on the same bf16 weights, which reorders them on every call (`bench/probes/cpu_bf16_gemm_options.py`;
 `bench/startup.py` measures the whole decode).
 
 Kernels whose GEMM goes through `dense_linear` take either form of weight, and say so in their

@@ -4,7 +4,7 @@ check), and, from qrt's compile cache, graphs that were never traced in this pro
 Every call of a `torch.compile`d function goes through Dynamo first: its cache lookup evaluates a
 guard on each of a few hundred weight and cache tensors, its bytecode gathers them from the
 module tree again, and only then does the compiled graph run. On a one-token int4 decode step of
-the default model that was 1.3 ms of 7.1 (`bench/profile_decode.py`, docs/cpu-kernels.md). qrt builds every
+the default model that was 1.3 ms of 7.1 (`bench/profiles/profile_decode.py`, docs/cpu-kernels.md). qrt builds every
 input of its step graphs itself, so it can hold the guarantees the guards gave instead:
 
 - the weights and caches are the tensors the graph was compiled for: they are held here by name,

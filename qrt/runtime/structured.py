@@ -1,7 +1,7 @@
 """Structured output: a request's text held to a JSON schema, any JSON object, a regular
 expression, one of a list of strings, or a Lark grammar, by masking at each step the tokens that
 cannot continue it. The grammar engine is llguidance (the one llama.cpp and vLLM use): masking a
-row of the default model's 49,152 logits takes about 0.1 ms (bench/structured_mask.py), against a
+row of the default model's 49,152 logits takes about 0.1 ms (bench/probes/structured_mask.py), against a
 decode step of several milliseconds.
 
 A request carries its grammar as llguidance's JSON text (hashable, checked when the request is

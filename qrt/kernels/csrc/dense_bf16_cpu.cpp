@@ -6,7 +6,7 @@
 //
 //   bf16_linear(x [M, K] bf16, packed [N / 64, K / 2, 64, 2], bias [N]?) -> [M, N] bf16
 //     The loop of pair_gemv.h on the stored pairs. It keeps up with oneDNN's prepacked GEMM at
-//     every M measured (bench/cpu_native_options.py: 1.4-2.0x at M = 1, 0.84-1.92x from M = 2 to
+//     every M measured (bench/probes/cpu_native_options.py: 1.4-2.0x at M = 1, 0.84-1.92x from M = 2 to
 //     512), so there is no second route.
 
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
 """Ways to run a 4-bit weight-only linear on the CPU at decode shape (M = 1), against bf16.
 
-    python bench/cpu_int4_options.py [--threads 2]
+    python -m bench.probes.cpu_int4_options [--threads 2]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632), the
 median of 200 calls (after 20 warm-up calls), each on another copy of the weights from a ring of
@@ -18,39 +18,14 @@ hold against the machine's read bandwidth. Run on a quiet machine.
 """
 
 import argparse
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from bench.measure import median_us, ring
 
 SHAPES = ((576, 576), (3072, 576), (576, 1536), (2048, 2048), (11264, 2048), (2048, 5632))  # [N, K]
-
-
-RING_BYTES = 512 * 2**20  # weights cycled through per option: far more than the last-level cache
-
-
-def median_us(fn, operands, calls: int = 200) -> float:
-    """Median µs of fn(*operands[i]) over `calls` calls, cycling through the copies in `operands`:
-    as in a decode step, every call reads a weight that is not in the cache."""
-    for i in range(20):
-        fn(*operands[i % len(operands)])
-    times = []
-    for i in range(calls):
-        args = operands[(20 + i) % len(operands)]
-        started = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
-
-
-def ring(make, nbytes: int) -> list:
-    """Copies of the operands `make()` returns, RING_BYTES of them in all (at least 2)."""
-    return [make() for _ in range(max(2, min(4096, RING_BYTES // nbytes)))]
 
 
 def int4_gemv(x, codes, scales, offsets):
@@ -97,7 +72,7 @@ def main() -> int:
         row = [f"{n}x{k}"]
 
         def cell(fn, make, nbytes):
-            us = median_us(fn, ring(make, nbytes))
+            us = median_us(fn, ring(make, nbytes), warmup=20)
             return f"{us:.0f} ({nbytes / us / 1e3:.1f})"
 
         row.append(cell(F.linear, lambda: (x, w.clone()), 2 * n * k))

@@ -1,9 +1,9 @@
 """What structured output costs per decode step: the grammar engine's token mask for each of a
 batch's rows, filled and applied to the row's logits, on the default model's vocabulary.
 
-    python bench/structured_mask.py                  # batch 8, a JSON schema, 64 steps
-    python bench/structured_mask.py --batch 1 --steps 128
-    python bench/structured_mask.py --engines llguidance,xgrammar,outlines-core
+    python -m bench.probes.structured_mask                  # batch 8, a JSON schema, 64 steps
+    python -m bench.probes.structured_mask --batch 1 --steps 128
+    python -m bench.probes.structured_mask --engines llguidance,xgrammar,outlines-core
 
 Each row follows its own path through the schema (its logits are random, masked, then argmaxed
 and consumed, as the engine does), so the masks differ from row to row and step to step; a row
@@ -23,14 +23,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.measure import name_list, positive_int  # noqa: E402
-from qrt.runtime import structured  # noqa: E402
+from bench.measure import name_list, positive_int
+from qrt.runtime import structured
 
 SCHEMA = {
     "type": "object",

@@ -1,6 +1,6 @@
 """qrt's own CPU kernels (qrt/kernels/csrc/quantized_cpu.cpp) against the ones they replace, by rows M.
 
-    python bench/cpu_native_options.py [--threads 2] [--m 1,8,16,32,64,128,512]
+    python -m bench.probes.cpu_native_options [--threads 2] [--m 1,8,16,32,64,128,512]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632) and each
 M, the median µs of a number of calls, each on another copy of the weights from a ring of 512 MiB,
@@ -27,39 +27,17 @@ route is checked against a float reference before it is timed. Run on a quiet ma
 """
 
 import argparse
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from qrt.kernels import fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, native_cpu  # noqa: E402
+from bench.measure import median_us, ring
+from qrt.kernels import fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, native_cpu
 
 SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 2048), (11264, 2048),
           (2048, 5632))  # [N, K]
-RING_BYTES = 512 * 2**20
 GROUP = 64
 ALWAYS, NEVER = 0, 2**62  # min_rows_dequantized forcing one route
-
-
-def median_us(fn, operands, calls: int) -> float:
-    warmup = min(10, calls)
-    for i in range(warmup):
-        fn(*operands[i % len(operands)])
-    times = []
-    for i in range(calls):
-        args = operands[(warmup + i) % len(operands)]
-        started = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
-
-
-def ring(make, nbytes: int) -> list:
-    return [make() for _ in range(max(2, min(1024, RING_BYTES // nbytes)))]
 
 
 def check(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float = 5e-2) -> None:
@@ -146,7 +124,7 @@ def main() -> int:
                 operands = ring(make, nbytes)
                 if expected is not None:
                     check(f"{name} at {n}x{k}, M={m}", fn(*operands[0]), expected)
-                figures[name] = median_us(fn, operands, calls)
+                figures[name] = median_us(fn, operands, calls=calls)
                 del operands
             cells = [f"{figures[name]:.0f} [{figures['bf16'] / figures[name]:.2f}]" if name in figures else "—"
                      for name in names]

@@ -1,10 +1,10 @@
 """Write an FP8 copy of a bf16 Hugging Face checkpoint in another tool's on-disk layout, so the
 pre-quantized loaders can be benchmarked on a real model.
 
-    python bench/export_fp8.py DST --layout hf-fp8        # per-tensor weights, dynamic activations
-    python bench/export_fp8.py DST --layout hf-fp8-block  # block weights (--block, default 128)
-    python bench/export_fp8.py DST --layout ct-channel    # compressed-tensors, per-channel weights
-    python bench/export_fp8.py DST --layout hf-fp8 --src path/to/bf16-checkpoint  # default: the default model
+    python -m bench.tools.export_fp8 DST --layout hf-fp8        # per-tensor weights, dynamic activations
+    python -m bench.tools.export_fp8 DST --layout hf-fp8-block  # block weights (--block, default 128)
+    python -m bench.tools.export_fp8 DST --layout ct-channel    # compressed-tensors, per-channel weights
+    python -m bench.tools.export_fp8 DST --layout hf-fp8 --src path/to/bf16-checkpoint  # default: the default model
 
 Only layouts with dynamic activations are offered: static input scales need a calibration run.
 Every linear layer of the decoder is quantized; embeddings and lm_head stay as they are.
@@ -14,15 +14,12 @@ import argparse
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+from safetensors.torch import save_file
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from qrt.checkpoint.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
+from qrt.checkpoint.safetensors_files import checkpoint_files, iter_tensors
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0

@@ -1,6 +1,6 @@
 """Where a compiled prefill spends its time: the ops of one prompt, by self time.
 
-    python bench/profile_prefill.py [checkpoint] [--quant fp8] [--prompt-tokens 512] [--threads 2]
+    python -m bench.profiles.profile_prefill [checkpoint] [--quant fp8] [--prompt-tokens 512] [--threads 2]
 
 Compiles the model (the default model without a checkpoint), times a few prefills of a random
 prompt (medians printed), then profiles one with torch.profiler and prints the ops that took the
@@ -11,14 +11,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from qrt import runtime  # noqa: E402
+from qrt import runtime
 
 
 def main() -> int:

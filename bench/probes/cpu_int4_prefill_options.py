@@ -1,6 +1,6 @@
 """Ways to run a 4-bit weight-only linear on the CPU at prefill shapes (M = 64 .. 512), against bf16.
 
-    python bench/cpu_int4_prefill_options.py [--threads 2] [--m 64,128,256,512]
+    python -m bench.probes.cpu_int4_prefill_options [--threads 2] [--m 64,128,256,512]
 
 For each [N, K] of the default model (576 and 1536 wide) and the 0.85B Llama (2048 and 5632), the
 median of 20 calls (after 2 warm-up calls) of:
@@ -17,25 +17,20 @@ Run on a quiet machine.
 """
 
 import argparse
-import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.measure import timed_runs  # noqa: E402
+from bench.measure import median_us
 
 SHAPES = ((1536, 576), (576, 1536), (3072, 576), (5632, 2048), (2048, 5632))  # [N, K]
 GROUP = 64
 BLOCK_N = 64  # ATen's CPU int4 pack: blocks of 64 output rows, two nibbles per byte (row d, row d + 32)
 
 
-def median_ms(fn, calls: int = 20) -> float:
-    fn()  # and timed_runs makes a second untimed call
-    return statistics.median(timed_runs(fn, calls)) * 1e3
+def median_ms(fn) -> float:
+    return median_us(fn, calls=20, warmup=2) / 1e3
 
 
 def dequantize_aten_int4(packed: torch.Tensor, scale_offsets: torch.Tensor, group: int) -> torch.Tensor:

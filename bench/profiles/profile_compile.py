@@ -1,8 +1,8 @@
 """Where qrt's start-up time goes: the phases of a cold start (empty Inductor cache) and of a warm
 start (a second process on the cache the first one filled), each in a process of its own.
 
-    python bench/profile_compile.py                  # the default model, bf16
-    python bench/profile_compile.py PATH --quant int4
+    python -m bench.profiles.profile_compile                  # the default model, bf16
+    python -m bench.profiles.profile_compile PATH --quant int4
 
 Phases come from torch's own compile timers (`torch._dynamo.utils.compilation_time_metrics`,
 which nest: each row here is a timer minus the timers inside it), summed over the prefill and
@@ -27,12 +27,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from bench.measure import machine_state, print_machine_state  # noqa: E402
-from bench.quants import QUANTS  # noqa: E402
+from bench.measure import machine_state, print_machine_state
+from bench.quants import QUANTS
 
 PHASES = ("load", "Dynamo", "qrt passes + backend", "AOTAutograd", "freeze", "Inductor lowering", "autotune",
           "Inductor codegen", "C++ compile + load", "other")
@@ -103,7 +100,8 @@ def child(args) -> None:
 
 
 def run_start(args, cache_dir: str) -> dict:
-    command = [sys.executable, __file__, "--child", "--quant", args.quant] + ([args.path] if args.path else [])
+    command = [sys.executable, "-m", "bench.profiles.profile_compile", "--child", "--quant", args.quant]
+    command += [args.path] if args.path else []
     done = subprocess.run(command, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir},
                           capture_output=True, text=True)
     if done.returncode != 0:

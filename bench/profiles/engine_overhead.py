@@ -1,7 +1,7 @@
 """What the continuous-batching engine costs `generate` per decode step, in one run.
 
-    python bench/engine_overhead.py                      # the default model, bf16, 1 slot
-    python bench/engine_overhead.py PATH --quant int4 --slots 8 --steps 128 --runs 5
+    python -m bench.profiles.engine_overhead                      # the default model, bf16, 1 slot
+    python -m bench.profiles.engine_overhead PATH --quant int4 --slots 8 --steps 128 --runs 5
 
 Both sides decode the same greedy tokens with the same compiled graphs, one process, alternating
 runs: `raw` calls the decode graph directly in a loop (argmax, feed the token back); `generate` is
@@ -14,14 +14,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.measure import print_machine_state, machine_state  # noqa: E402
-from qrt import runtime  # noqa: E402
+from bench.measure import print_machine_state, machine_state
+from qrt import runtime
 
 
 def main(argv=None) -> int:

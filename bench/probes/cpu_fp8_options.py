@@ -1,6 +1,6 @@
 """Ways to run an fp8 linear on the CPU, timed at decode shape (M=1), to justify the CPU kernel.
 
-    python bench/cpu_fp8_options.py
+    python -m bench.probes.cpu_fp8_options
 
 Prints the median of 200 calls (after 10 warm-up calls) for each option and shape, on a quiet
 machine please: bf16 F.linear; fp8 weight converted to bf16 inside each call; an Inductor-fused
@@ -8,31 +8,14 @@ dequantizing reduction; torch._scaled_mm; and qrt's choice, the loader-widened e
 under torch.compile (which also rounds activations to fp8 per token).
 """
 
-import statistics
-import sys
-import time
-from pathlib import Path
+import torch
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import qrt.kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
-from qrt.kernels.fp8_reference import quantize_rows_fp8  # noqa: E402
+from bench.measure import median_us
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.fp8_reference import quantize_rows_fp8
 
 SHAPES = ((1536, 576), (576, 1536), (2048, 2048))  # [N, K]: SmolLM2 MLP up/down, a 1B-class square
-
-
-def median_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def options(n: int, k: int) -> dict:

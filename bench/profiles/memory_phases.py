@@ -1,8 +1,8 @@
 """Where a process's resident memory goes, phase by phase: qrt (imports, load, compile, decode)
 against transformers eager (imports, from_pretrained, generate), each in a fresh process.
 
-    python bench/memory_phases.py                       # the default model: qrt bf16 and int4, transformers
-    python bench/memory_phases.py PATH --quant bf16,fp8,int8 --new-tokens 128
+    python -m bench.profiles.memory_phases                       # the default model: qrt bf16 and int4, transformers
+    python -m bench.profiles.memory_phases PATH --quant bf16,fp8,int8 --new-tokens 128
 
 After each phase the probe prints VmRSS (resident now) and VmHWM (the peak so far), in MiB. The
 prompt is 32 fixed token ids; decode runs --new-tokens greedy steps. qrt compiles into an empty
@@ -18,10 +18,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from bench.measure import name_list, positive_int  # noqa: E402
-from bench.quants import QUANTS  # noqa: E402
+from bench.measure import name_list, positive_int
+from bench.quants import QUANTS
 
 _STATUS = textwrap.dedent("""
     import json, sys
@@ -64,7 +62,7 @@ HF_PROBE = _STATUS + textwrap.dedent("""
 def run_probe(probe: str, path, quant, new_tokens: int, env: dict) -> list[dict]:
     result = subprocess.run([sys.executable, "-c", probe, "-" if path is None else str(path), quant or "",
                              str(new_tokens)], capture_output=True, text=True, env=env, check=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 

@@ -6,16 +6,13 @@ qrt's cache (bench/gguf/) by llama.cpp's own quantizer (`llama_model_quantize` w
 dequantized (runtime/default_model.py), so BF16 holds exactly its weights and Q8_0 is llama.cpp's
 8-bit quantization of them.
 
-    python bench/gguf_variants.py   # write them now and print their paths (needs llama-cpp-python)
+    python -m bench.tools.gguf_variants   # write them now and print their paths (needs llama-cpp-python)
 """
 
 import ctypes
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from qrt.runtime.default_model import DEFAULT_MODEL_NAME, cache_root, gguf_path  # noqa: E402
+from qrt.runtime.default_model import DEFAULT_MODEL_NAME, cache_root, gguf_path
 
 DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
 

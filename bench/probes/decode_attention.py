@@ -1,8 +1,8 @@
 """qrt's decode attention kernel (`qrt_cpu::decode_attention`) by context length: µs per call and
 the rate at which it reads its K and V, against the plain-torch reference op.
 
-    python bench/decode_attention.py                        # the default model's heads, bf16
-    python bench/decode_attention.py --heads 32,8,128 --contexts 512,2000,8000 --threads 2
+    python -m bench.probes.decode_attention                        # the default model's heads, bf16
+    python -m bench.probes.decode_attention --heads 32,8,128 --contexts 512,2000,8000 --threads 2
 
 One row of batch 1 attends over its first C cache entries. Each call takes another layer's cache
 from a ring of --layers caches (30, the default model's depth), so that K and V come from memory
@@ -13,16 +13,12 @@ reference op before it is timed.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.measure import positive_int  # noqa: E402
-from qrt.kernels import native_cpu  # noqa: E402
+from bench.measure import positive_int
+from qrt.kernels import native_cpu
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -2,8 +2,8 @@
 (not frozen constants), timed over a whole model's worth of distinct weights, to justify the
 regional build's choice of a oneDNN weight prepacked by the loader (kernels/onednn_cpu.py).
 
-    python bench/cpu_bf16_gemm_options.py              # the default model's shapes (30 layers, 49152 vocab)
-    python bench/cpu_bf16_gemm_options.py --layers 16 --hidden 2048 --intermediate 5632 --vocab 32000 --kv 512
+    python -m bench.probes.cpu_bf16_gemm_options              # the default model's shapes (30 layers, 49152 vocab)
+    python -m bench.probes.cpu_bf16_gemm_options --layers 16 --hidden 2048 --intermediate 5632 --vocab 32000 --kv 512
 
 One "step" runs every linear of every layer once at M = 1 (q/k/v, o, gate/up, down, then lm_head),
 each layer with its own weights, so they stream from memory as in decode rather than sitting in
@@ -16,16 +16,12 @@ step, with the weights' read rate; rounds of the options alternate, on a quiet m
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from qrt.kernels.onednn_cpu import prepack_weight  # noqa: E402
+from qrt.kernels.onednn_cpu import prepack_weight
 
 
 def parse_args() -> argparse.Namespace:

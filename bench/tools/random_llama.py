@@ -3,7 +3,7 @@
 use in the qrt cache (bench/llama-1b-random) and reused afterwards. It shows how the cost of each
 engine grows with size; its outputs mean nothing.
 
-    python bench/random_llama.py          # make it (if absent) and print its folder
+    python -m bench.tools.random_llama          # make it (if absent) and print its folder
 
 The tensor names and shapes come from transformers' LlamaForCausalLM built on the meta device (no
 memory), and the file is written one tensor at a time, so beyond the imports the peak memory is one
@@ -19,11 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from qrt.runtime.default_model import cache_root  # noqa: E402  (qrt's cache folder, QRT_CACHE_DIR aware)
+from qrt.runtime.default_model import cache_root  # qrt's cache folder, QRT_CACHE_DIR aware
 
 LLAMA_1B = dict(
     hidden_size=2048,

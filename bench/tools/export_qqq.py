@@ -1,9 +1,9 @@
 """Write a QQQ (W4A8) copy of a bf16 Hugging Face checkpoint in QQQ's on-disk layout, so the QQQ
 loader and the W4A8 path can be benchmarked on a real model next to the other formats:
 
-    python bench/export_qqq.py /tmp/smol-qqq                 # the default model, per channel
-    python bench/export_qqq.py DST --src PATH --group-size 128
-    python bench/decode.py --quant bf16,int4,w8a8 --checkpoint qqq=/tmp/smol-qqq
+    python -m bench.tools.export_qqq /tmp/smol-qqq                 # the default model, per channel
+    python -m bench.tools.export_qqq DST --src PATH --group-size 128
+    python -m bench.decode --quant bf16,int4,w8a8 --checkpoint qqq=/tmp/smol-qqq
 
 Round-to-nearest quantization with QQQ's conventions (docs/formats.md §6.3), not QQQ's own GPTQ and
 smoothing, so its quality figures say nothing about QQQ's; the layout and arithmetic are QQQ's.
@@ -13,16 +13,13 @@ The default model (hidden 576) needs per-channel scales: QQQ's groups of 128 mus
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+from safetensors.torch import save_file
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from qrt.formats.qqq import channel_scale_permutation, group_scale_permutation, weight_permutation  # noqa: E402
-from qrt.checkpoint.safetensors_files import checkpoint_files, iter_tensors  # noqa: E402
+from qrt.formats.qqq import channel_scale_permutation, group_scale_permutation, weight_permutation
+from qrt.checkpoint.safetensors_files import checkpoint_files, iter_tensors
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

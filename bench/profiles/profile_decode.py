@@ -1,8 +1,8 @@
 """Where one decode step of a compiled qrt model spends its time: a torch.profiler table by kernel
 kind, the time outside any kernel, and the step against this machine's bandwidth roofline.
 
-    python bench/profile_decode.py                        # the default model, bf16
-    python bench/profile_decode.py PATH --quant int4 --steps 64 --top 12
+    python -m bench.profiles.profile_decode                        # the default model, bf16
+    python -m bench.profiles.profile_decode PATH --quant int4 --steps 64 --top 12
 
 The model is compiled with Inductor's kernel profiling on (`cpp.enable_kernel_profile`), so every
 generated C++ kernel is an event of its own; the compile uses a fresh temporary Inductor cache
@@ -30,21 +30,17 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+from torch._inductor import config as inductor_config
 
-import torch  # noqa: E402
-from torch._inductor import config as inductor_config  # noqa: E402
-
-from bench.measure import log, machine_state, positive_int, print_machine_state, prompt_ids  # noqa: E402
-from bench.roofline import (cached_bandwidth, expert_weight_bytes, experts_read_fraction, kv_bytes_per_step,  # noqa: E402
+from bench.measure import log, machine_state, positive_int, print_machine_state, prompt_ids
+from bench.roofline import (cached_bandwidth, expert_weight_bytes, experts_read_fraction, kv_bytes_per_step,
                             roofline_tok_s, weight_bytes_per_token)
-from bench.quants import QUANTS  # noqa: E402
+from bench.quants import QUANTS
 
 MATMUL_MARKERS = ("linear", "mm", "gemm", "int4pack", "int8pack", "qrt::")
 ATTENTION_MARKERS = ("scaled_dot_product", "attention", "sdpa")

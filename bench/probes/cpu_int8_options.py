@@ -1,8 +1,8 @@
 """Ways to run a W8A8 linear (int8 weights per channel, int8 activations per token) on the CPU,
 timed at decode (M=1) and prefill (M=32) shapes, to choose the CPU kernel of `qrt::int8_linear`.
 
-    python bench/cpu_int8_options.py                # on a quiet machine: nothing else running
-    python bench/cpu_int8_options.py --calls 50     # quicker, noisier
+    python -m bench.probes.cpu_int8_options                # on a quiet machine: nothing else running
+    python -m bench.probes.cpu_int8_options --calls 50     # quicker, noisier
 
 Every option runs under torch.compile with Inductor freezing, as qrt compiles models on the CPU,
 and includes the per-token activation quantization; the baseline is a plain bf16 linear. Prints
@@ -21,32 +21,16 @@ each option's output is from the exact reference (relative L2), since they round
 
 import argparse
 import os
-import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import qrt.kernels  # noqa: E402,F401  (registers torch.ops.qrt.*)
-from qrt.kernels.int8_reference import int8_linear_reference, quantize_rows_int8  # noqa: E402
+from bench.measure import median_us
+import qrt.kernels  # noqa: F401  (registers torch.ops.qrt.*)
+from qrt.kernels.int8_reference import int8_linear_reference, quantize_rows_int8
 
 SHAPES = ((1536, 576), (576, 1536), (2048, 2048))  # [N, K]: SmolLM2 MLP up/down, a 1B-class square
 ROWS = (1, 32)  # M: a decode step, a short prompt
-
-
-def median_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def _grid(x):
@@ -105,7 +89,7 @@ def main() -> None:
                 with torch.no_grad(), torch._inductor.config.patch(freezing=True):
                     compiled = torch.compile(fn, fullgraph=True)
                     out = compiled(x)
-                    us = median_us(lambda: compiled(x), args.calls)
+                    us = median_us(lambda: compiled(x), calls=args.calls)
                 error = float((out.double() - exact.double()).norm() / exact.double().norm())
                 print(f"{n}x{k:<7} {m:>3}  {name:<32} {us:10.1f}  {error:16.2e}", flush=True)
                 torch._dynamo.reset()  # each option compiles on its own

@@ -4,21 +4,18 @@ token, 16 heads, 4 KV heads, vocab 32000, untied lm_head), as a bf16 safetensors
 hub's one-tensor-per-expert layout. Made on first use in the qrt cache (bench/moe-1b-random) and
 reused afterwards; its outputs mean nothing.
 
-    python bench/random_moe.py          # make it (if absent) and print its folder
+    python -m bench.tools.random_moe          # make it (if absent) and print its folder
 
 The router weights are random like the rest, so tokens spread over the experts about evenly: the
 roofline of a batch counts the experts a batch of that size is expected to touch under uniform
 routing (bench/roofline.py).
 """
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from bench.random_llama import INIT_STD, SEED, cached_random_checkpoint, write_safetensors  # noqa: E402
+from bench.tools.random_llama import INIT_STD, SEED, cached_random_checkpoint, write_safetensors
 
 MOE_1B = dict(
     hidden_size=1024,
