@@ -10,6 +10,11 @@ which layout it got, so a kernel with a layout of its own is one new kernel file
 Layouts are stateless singletons: the compiled graph bakes the Python branch `linear` takes, and a
 layer records the layout it was packed for (`LinearMethod.layout`), whose `name` shows in
 `inspect` and keys which experts may share a fused kernel.
+
+Two conventions the passes rely on: the packed tensor that carries the kernel's record is the
+layer's parameter `weight` (`install_packed` records `kernel` and `storage_layout` on it), and the
+op `linear` calls takes it as its second argument, after the activations: the swap pass reads the
+record from there (passes/swap_linear.py).
 """
 
 from abc import ABC, abstractmethod
