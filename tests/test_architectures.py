@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from activation_quant import (DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_int8_lm_head,
-                             with_rounded_weights)
-from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
-                          decode_without_recompiles)
-from kernel_checks import fp8_cpu_kernel
+from helpers.activation_rounding import (DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_int8_lm_head,
+                                         with_rounded_weights)
+from helpers.checkpoints.architectures import ARCHS, make_arch_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint, relative_l2
+from helpers.graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
+                                  decode_without_recompiles)
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
-from arch_checkpoints import ARCHS, make_arch_checkpoint
-from tiny_checkpoints import make_checkpoint, relative_l2
 
 LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
 TINY_LAYERS = 2
@@ -157,7 +157,7 @@ def test_phi3_fused_layers_load_a_per_channel_fp8_checkpoint(phi3, tmp_path):
     weights and scales load into them whole and give the dequantized model's logits."""
     from safetensors.torch import load_file, save_file
 
-    from fp8_checkpoints import quantize_channel
+    from helpers.checkpoints.fp8 import quantize_channel
 
     folder, hf = phi3
     state = {}

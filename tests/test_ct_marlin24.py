@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.checkpoints.marlin24 import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
+from helpers.checkpoints.tiny import edited_copy, relative_l2
 from qrt import runtime
+from qrt.errors import CheckpointError, UnsupportedError
 from qrt.formats.compressed_tensors.marlin24 import (CtMarlin24Config, CtMarlin24LinearMethod,
                                                      group_scale_permutation, meta_positions, unpack_marlin24,
                                                      unpermute_scales, weight_permutation)
-from qrt.errors import CheckpointError, UnsupportedError
-from marlin24_checkpoints import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
-from tiny_checkpoints import edited_copy, relative_l2
 
 LINEARS = 2 * 4  # 2 layers x (qkv, o, gate_up, down)
 DESCRIBED = {128: "compressed-tensors W4A16 2:4 sparse (marlin-24) g128",

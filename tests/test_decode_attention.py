@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qrt.kernels.decode_attention_triton  # noqa: F401  (registers qrt::decode_attention_triton)
-from kernel_checks import BF16_RTOL, DEVICE, on_device
+from helpers.kernel_checks import BF16_RTOL, DEVICE, on_device
 from qrt.kernels import native_cpu
 from qrt.kernels.decode_attention_reference import cache_values
 

@@ -1,17 +1,17 @@
 """The contract every registered format keeps, checked on a tiny checkpoint in its on-disk form
-(format_cases.py): compiled output equal to the eager reference, one graph per role, no
-recompiles over 32 decode steps, the expected kernel on the CPU and, with the CUDA layouts and
-pass list, on CUDA (its Triton kernels running under the interpreter), and errors that name the
-file and tensor when a tensor is missing or misshapen."""
+(tests/helpers/checkpoints/format_cases/): compiled output equal to the eager reference, one graph
+per role, no recompiles over 32 decode steps, the expected kernel on the CPU and, with the CUDA
+layouts and pass list, on CUDA (its Triton kernels running under the interpreter), and errors that
+name the file and tensor when a tensor is missing or misshapen."""
 
 import math
 
 import pytest
 import torch
-from format_cases import CASES, registry_ids
-from graph_checks import no_recompiles
+from helpers.checkpoints.format_cases import CASES, registry_ids
+from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.graph_checks import no_recompiles
 from safetensors import safe_open
-from tiny_checkpoints import edited_copy, relative_l2
 
 from qrt import runtime
 from qrt.checkpoint.config import DeviceConfig
@@ -62,7 +62,8 @@ def compiled_case(case_folder, compiled):
 
 def test_every_registered_format_has_a_case():
     missing = registry_ids() - set(CASES)
-    assert not missing, f"registered formats without a contract case in tests/format_cases.py: {sorted(missing)}"
+    assert not missing, ("registered formats without a contract case in tests/helpers/checkpoints/format_cases/: "
+                         f"{sorted(missing)}")
     assert set(CASES) - {"none"} <= registry_ids(), "a case names a format the registry no longer has"
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.checkpoints.fp8 import FAMILIES, make_fp8_checkpoint
+from helpers.checkpoints.tiny import relative_l2
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
-from fp8_checkpoints import FAMILIES, make_fp8_checkpoint
-from kernel_checks import fp8_cpu_kernel
 from qrt.errors import CheckpointError, UnsupportedError
-from tiny_checkpoints import relative_l2
 
 EXPECTED = {  # family -> (words inspect/describe must show, logical op, CPU kernel op)
     "hf-fp8-dynamic": ("HF fp8: tensor weight scales, dynamic per token", "qrt.fp8_linear", fp8_cpu_kernel("qrt.fp8_linear")),

@@ -12,7 +12,9 @@ from torch import nn
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
-from graph_checks import qrt_op_counts
+from helpers.checkpoints.tiny import relative_l2
+from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint
+from helpers.graph_checks import qrt_op_counts
 from qrt import runtime
 from qrt.kernels.int8_reference import weight_row_sums
 from qrt.kernels.int_reference import pack_rows
@@ -20,8 +22,6 @@ from qrt.passes.base import count_ops, graph_modules
 from qrt.passes.fuse_act_quant import FuseActivationQuant
 from qrt.passes.manager import passes_for
 from qrt.runtime.models.layers import RMSNorm
-from tiny_checkpoints import relative_l2
-from w8a8_checkpoints import make_ct_w8a8_checkpoint
 
 
 def capture(fn, *args):

@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from graph_checks import decode_without_recompiles
+from helpers.checkpoints.integer import ct_config, make_int_checkpoint
+from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.graph_checks import decode_without_recompiles
 from qrt import runtime
-from int_checkpoints import ct_config, make_int_checkpoint
 from qrt.checkpoint.config import LoadConfig
 from qrt.errors import CheckpointError, UnsupportedError
 from qrt.formats.int_online import quantize_int_rows
-from tiny_checkpoints import edited_copy, relative_l2
 
 
 def gptq(bits=4, group_size=32, desc_act=False, sym=True, fmt="gptq", **extra):

@@ -13,17 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from activation_quant import (fp8_per_group, fp8_static, fp8_per_token, int8_per_token, rounded_inputs, with_int8_lm_head,
-                             with_rounded_weights)
-from graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles, swap_record
-from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
-                             online_int_reference)
-from kernel_checks import fp8_cpu_kernel
+from helpers.activation_rounding import (fp8_per_group, fp8_per_token, fp8_static, int8_per_token, rounded_inputs,
+                                         with_int8_lm_head, with_rounded_weights)
+from helpers.checkpoints.moe import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
+                                     online_int_reference)
+from helpers.checkpoints.tiny import relative_l2
+from helpers.graph_checks import (assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles,
+                                  swap_record)
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
 from qrt.errors import CheckpointError
 from qrt.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from qrt.runtime.models.mla import cache_bytes_per_token
-from tiny_checkpoints import relative_l2
 
 SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "deepseek_v2": 2, "deepseek_v3": 2}
 

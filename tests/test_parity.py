@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from helpers.checkpoints.tiny import relative_l2
 from qrt import runtime
-from tiny_checkpoints import relative_l2
 
 ARCHS = ["llama_dir", "qwen2_dir", "tied_llama_dir"]
 

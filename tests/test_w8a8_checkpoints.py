@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 import qrt.kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
-from graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
+from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint, make_qqq_checkpoint
+from helpers.graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
-from qrt.kernels.w4a8_reference import w4a8_int8_weights
-from qrt.formats.compressed_tensors.int_w8a8 import merge_static_inputs
 from qrt.errors import CheckpointError, ConfigError, UnsupportedError
+from qrt.formats.compressed_tensors.int_w8a8 import merge_static_inputs
 from qrt.formats.qqq import QqqLinearMethod, qqq_config
-from tiny_checkpoints import edited_copy, relative_l2
-from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
+from qrt.kernels.w4a8_reference import w4a8_int8_weights
 
 # name -> (builder, words describe() shows)
 CASES = {

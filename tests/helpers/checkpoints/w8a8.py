@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from int_checkpoints import LINEARS, to_int32
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.integer import LINEARS, to_int32
+from helpers.checkpoints.tiny import make_checkpoint
 
 # QQQ needs output widths in multiples of 64 and K in multiples of 128 (group 128).
 QQQ_TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
