@@ -13,7 +13,8 @@ import torch
 from helpers.activation_rounding import (DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_int8_lm_head,
                                          with_rounded_weights)
 from helpers.checkpoints.architectures import ARCHS, make_arch_checkpoint
-from helpers.checkpoints.tiny import make_checkpoint, relative_l2
+from helpers.checkpoints.tiny import make_checkpoint
+from helpers.compare import relative_l2
 from helpers.graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
                                   decode_without_recompiles)
 from helpers.kernel_checks import fp8_cpu_kernel

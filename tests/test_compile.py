@@ -99,7 +99,7 @@ def test_bf16_fp8_model_runs_its_codes_packed_in_pairs(llama_dir):
 
     from qrt import runtime
     from qrt.kernels import native_cpu, pair_layout
-    from helpers.checkpoints.tiny import relative_l2
+    from helpers.compare import relative_l2
     from helpers.tp_worker import teacher_forced_logits
 
     model = runtime.compile_model(llama_dir, dtype="bfloat16", quant="fp8", progress=False, max_seq_len=128)

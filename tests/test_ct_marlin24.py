@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.checkpoints.marlin24 import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
-from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.checkpoints.tiny import edited_copy
+from helpers.compare import relative_l2
 from qrt import runtime
 from qrt.errors import CheckpointError, UnsupportedError
 from qrt.formats.compressed_tensors.marlin24 import (CtMarlin24Config, CtMarlin24LinearMethod,

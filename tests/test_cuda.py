@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints.format_cases import CASES
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from helpers.graph_checks import no_recompiles
 from helpers.tp_worker import teacher_forced_logits
 from test_format_contract import DECODE_STEPS, MAX_SEQ_LEN, TOLERANCE, _ids, case_folder  # noqa: F401  (a fixture)

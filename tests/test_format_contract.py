@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 from helpers.checkpoints.format_cases import CASES, registry_ids
-from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.checkpoints.tiny import edited_copy
+from helpers.compare import relative_l2
 from helpers.graph_checks import no_recompiles
 from safetensors import safe_open
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.checkpoints.fp8 import FAMILIES, make_fp8_checkpoint
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
 from qrt.errors import CheckpointError, UnsupportedError

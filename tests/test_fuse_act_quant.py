@@ -12,8 +12,8 @@ from torch import nn
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
-from helpers.checkpoints.tiny import relative_l2
 from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint
+from helpers.compare import relative_l2
 from helpers.graph_checks import qrt_op_counts
 from qrt import runtime
 from qrt.kernels.int8_reference import weight_row_sums

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers.checkpoints.integer import ct_config, make_int_checkpoint
-from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.checkpoints.tiny import edited_copy
+from helpers.compare import relative_l2
 from helpers.graph_checks import decode_without_recompiles
 from qrt import runtime
 from qrt.checkpoint.config import LoadConfig

@@ -12,7 +12,7 @@ from torch import nn
 
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
 from helpers.checkpoints.integer import pack_fields
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from helpers.kernel_checks import on_device, random_rows
 from qrt.formats.int_weights import IntWeights, apply_int_layout, install_int_weights
 from qrt.kernels import native_cpu, pair_layout

@@ -17,7 +17,7 @@ from helpers.activation_rounding import (fp8_per_group, fp8_per_token, fp8_stati
                                          with_int8_lm_head, with_rounded_weights)
 from helpers.checkpoints.moe import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
                                      online_int_reference)
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from helpers.graph_checks import (assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles,
                                   swap_record)
 from helpers.kernel_checks import fp8_cpu_kernel

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from qrt import runtime
 
 ARCHS = ["llama_dir", "qwen2_dir", "tied_llama_dir"]

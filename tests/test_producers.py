@@ -32,7 +32,7 @@ from bench.tp import torchrun_localhost
 from helpers.activation_rounding import (
     DRIFT_FACTOR, NUDGES, UNQUANTIZED, fp8_kv_cache, fp8_per_group, fp8_per_token, fp8_static, int8_per_group,
     int8_per_token, nudged, reference_drift, rounded_inputs)
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from helpers.tp_worker import teacher_forced_logits
 from producers import autoawq_variants, gptqmodel_variants, llmcompressor_variants, modelopt_variants
 from producers import build as kit_build

@@ -25,7 +25,8 @@ from helpers.checkpoints.format_cases import CASES
 from helpers.checkpoints.fp8 import make_fp8_checkpoint
 from helpers.checkpoints.integer import make_int_checkpoint
 from helpers.checkpoints.moe import make_moe_checkpoint
-from helpers.checkpoints.tiny import make_checkpoint, relative_l2
+from helpers.checkpoints.tiny import make_checkpoint
+from helpers.compare import relative_l2
 from test_format_contract import TOLERANCE
 
 from qrt import runtime

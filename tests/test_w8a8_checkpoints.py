@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 import qrt.kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
-from helpers.checkpoints.tiny import edited_copy, relative_l2
+from helpers.checkpoints.tiny import edited_copy
 from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint, make_qqq_checkpoint
+from helpers.compare import relative_l2
 from helpers.graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from qrt.errors import CheckpointError, ConfigError, UnsupportedError

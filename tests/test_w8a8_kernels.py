@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
-from helpers.checkpoints.tiny import relative_l2
+from helpers.compare import relative_l2
 from helpers.kernel_checks import on_device, random_rows
 from qrt.kernels.int8_fused_reference import rms_norm_quant_int8_reference, silu_mul_quant_int8_reference
 from qrt.kernels.int8_reference import (int8_linear_reference, quantize_activations_int8, quantize_rows_int8,

@@ -41,11 +41,6 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, dtype=torch.float32, s
     return model
 
 
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def edited_copy(folder: Path, copy: Path, *, config=None, tensors=None) -> Path:
     """A copy of checkpoint `folder` at `copy`: `config(quantization_config)` edits its config.json's
     quantization_config in place and `tensors(state)` its model.safetensors (a name -> tensor dict)."""
