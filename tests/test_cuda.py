@@ -22,7 +22,8 @@ from helpers.checkpoints.format_cases import CASES
 from helpers.compare import relative_l2
 from helpers.graph_checks import no_recompiles
 from helpers.tp_worker import teacher_forced_logits
-from test_format_contract import DECODE_STEPS, MAX_SEQ_LEN, TOLERANCE, _ids, case_folder  # noqa: F401  (a fixture)
+from test_format_contract import CONTRACT_IDS, DECODE_STEPS, MAX_SEQ_LEN, TOLERANCE
+from test_format_contract import case_folder  # noqa: F401  (a fixture)
 
 from qrt import runtime
 from qrt.checkpoint.config import DeviceConfig
@@ -56,7 +57,7 @@ def test_compiled_on_cuda_matches_the_eager_reference_in_one_graph_per_role(name
                                   device_config=DeviceConfig("cpu", kernel_device="cuda"))
     assert _kernels_in_place(model) == case.cuda_kernels
     with torch.no_grad():
-        error = relative_l2(model(_ids().cuda()).cpu(), eager(_ids()))
+        error = relative_l2(model(CONTRACT_IDS.cuda()).cpu(), eager(CONTRACT_IDS))
     print(f"{name}: forward logits off by {error:.2e}")
     assert error < TOLERANCE.get(name, 1e-4), error
     model.generate([3, 4, 5], max_new_tokens=2, stop_at_eos=False)

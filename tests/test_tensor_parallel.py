@@ -25,7 +25,7 @@ from helpers.checkpoints.format_cases import CASES
 from helpers.checkpoints.fp8 import make_fp8_checkpoint
 from helpers.checkpoints.integer import make_int_checkpoint
 from helpers.checkpoints.moe import make_moe_checkpoint
-from helpers.checkpoints.tiny import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint, random_ids
 from helpers.compare import relative_l2
 from test_format_contract import TOLERANCE
 
@@ -40,7 +40,7 @@ from qrt.runtime.registry import ModelRegistry
 
 WORKER = Path(__file__).parent / "helpers" / "tp_worker.py"
 TIMEOUT_S = 300  # every torchrun below ends well within this, or the test fails
-IDS = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0)).tolist()
+IDS = random_ids(0, (2, 12)).tolist()
 PROMPT = list(range(20, 31))
 STEPS = 12
 

@@ -1,7 +1,8 @@
 """Tiny random checkpoints written in the exact on-disk layouts of the formats qrt loads, each with
 the transformers model it should reproduce.
 
-- tiny: the unquantized Llama and Qwen2 every other writer starts from (their sizes, TINY);
+- tiny: the unquantized Llama and Qwen2 every other writer starts from (their sizes, TINY), and
+  random_ids, seeded token ids in their vocabulary;
 - architectures: the architectures beyond Llama/Qwen2, sharded;
 - moe: mixture-of-experts models, plain or with quantized experts;
 - fp8: HF fp8, ModelOpt and compressed-tensors float-quantized;

@@ -41,6 +41,11 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, dtype=torch.float32, s
     return model
 
 
+def random_ids(seed: int = 0, shape: tuple[int, ...] = (2, 16)) -> torch.Tensor:
+    """Token ids drawn uniformly from the tiny models' vocabulary, the same for the same seed."""
+    return torch.randint(0, TINY["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
+
+
 def edited_copy(folder: Path, copy: Path, *, config=None, tensors=None) -> Path:
     """A copy of checkpoint `folder` at `copy`: `config(quantization_config)` edits its config.json's
     quantization_config in place and `tensors(state)` its model.safetensors (a name -> tensor dict)."""
