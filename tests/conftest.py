@@ -27,8 +27,8 @@ os.environ.setdefault("QRT_AUTOTUNE", "0")
 
 import pytest
 
+from helpers.checkpoints.tiny import make_checkpoint
 from qrt import runtime
-from tiny_checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="session")

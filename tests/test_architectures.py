@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from activation_quant import (DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_int8_lm_head,
-                             with_rounded_weights)
-from graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
-                          decode_without_recompiles)
-from kernel_checks import fp8_cpu_kernel
+from helpers.activation_rounding import (DRIFT_FACTOR, fp8_per_token, model_drift, rounded_inputs, with_int8_lm_head,
+                                         with_rounded_weights)
+from helpers.checkpoints.architectures import ARCHS, make_arch_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint, random_ids
+from helpers.compare import relative_l2
+from helpers.graph_checks import (assert_every_linear_runs, assert_no_graph_breaks, assert_one_graph_per_role,
+                                  decode_without_recompiles)
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
-from arch_checkpoints import ARCHS, make_arch_checkpoint
-from tiny_checkpoints import make_checkpoint, relative_l2
 
 LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
 TINY_LAYERS = 2
@@ -25,10 +26,6 @@ TINY_LAYERS = 2
 PARITY_SHAPE = (2, 40)
 # Online fp8 against its references: one activation on a rounding edge costs about 1e-3.
 ONE_EDGE = 5e-3
-
-
-def _ids(seed, shape):
-    return torch.randint(0, 300, shape, generator=torch.Generator().manual_seed(seed))
 
 
 @dataclass
@@ -58,7 +55,7 @@ def test_checkpoint_is_sharded(arch):
 
 
 def test_compiled_logits_match_transformers(arch):
-    ids = _ids(0, PARITY_SHAPE)
+    ids = random_ids(0, PARITY_SHAPE)
     with torch.no_grad():
         expected = arch.hf(ids).logits
     got = arch.compiled()(ids)
@@ -69,7 +66,7 @@ def test_compiled_logits_match_transformers(arch):
 def test_greedy_generation_matches_transformers(arch):
     # 30 tokens past a 10-token prompt: crosses the sliding windows and, for Phi-3, the switch
     # to long RoPE factors at 32, where generation recomputes the sequence as transformers does.
-    prompt = _ids(1, (1, 10))
+    prompt = random_ids(1, (1, 10))
     with torch.no_grad():
         expected = arch.hf.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False)
     got = arch.compiled().generate(prompt[0].tolist(), max_new_tokens=30, stop_at_eos=False)
@@ -79,7 +76,7 @@ def test_greedy_generation_matches_transformers(arch):
 def test_one_graph_per_function_and_no_decode_recompiles(arch):
     model = arch.compiled()
     model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
-    model(_ids(0, PARITY_SHAPE))  # the forward graph is not dynamic: another shape would recompile it
+    model(random_ids(0, PARITY_SHAPE))  # the forward graph is not dynamic: another shape would recompile it
     assert_one_graph_per_role(model)
     # 24 decode steps cross the sliding windows and, for Phi-3, the long-RoPE switch at 32.
     decode_without_recompiles(model, list(range(10, 27)), 24)
@@ -101,7 +98,7 @@ def test_online_fp8_runs_the_cpu_kernel_without_breaks_or_recompiles(arch):
     assert_one_graph_per_role(model, forward=False)
     assert_every_linear_runs(model, fp8_cpu_kernel("qrt.fp8_linear"), LINEARS_PER_LAYER * TINY_LAYERS,
                              swapped_from="qrt.fp8_linear", roles=("prefill", "decode"), lm_head="qrt.int8pack_linear")
-    ids = _ids(4, (1, 40))
+    ids = random_ids(4, (1, 40))
     eager = runtime.compile_model(arch.folder, quant="fp8", compile=False, progress=False, max_seq_len=128)
     with torch.no_grad():
         got = model.prefill(ids)[0, -1]
@@ -141,7 +138,7 @@ def test_phi3_long_rope_switches_per_forward_pass_like_transformers_with_a_cache
 
     folder, hf = phi3
     model = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
-    ids = _ids(5, (1, 40))
+    ids = random_ids(5, (1, 40))
     cache = transformers.DynamicCache(config=hf.config)
     with torch.no_grad():
         expected = hf(ids[:, :28], cache=cache, use_cache=True).logits[:, -1]
@@ -157,7 +154,7 @@ def test_phi3_fused_layers_load_a_per_channel_fp8_checkpoint(phi3, tmp_path):
     weights and scales load into them whole and give the dequantized model's logits."""
     from safetensors.torch import load_file, save_file
 
-    from fp8_checkpoints import quantize_channel
+    from helpers.checkpoints.fp8 import quantize_channel
 
     folder, hf = phi3
     state = {}
@@ -194,7 +191,7 @@ def test_phi3_fused_layers_load_a_per_channel_fp8_checkpoint(phi3, tmp_path):
         assert torch.equal(weight, dequantized[f"{name}.weight"]), name
     reference = type(hf)(hf.config).eval()
     reference.load_state_dict({**hf.state_dict(), **dequantized})
-    ids = _ids(6, (1, 20))
+    ids = random_ids(6, (1, 20))
     with torch.no_grad(), rounded_inputs(reference, fp8_per_token):
         expected = reference(ids).logits
     # The per-token fp8 activations rounded in the reference too: the order of fp32 sums is left.
@@ -210,7 +207,7 @@ def test_phi3_fused_layers_load_a_per_channel_fp8_checkpoint(phi3, tmp_path):
 def test_rope_scalings_of_llama_configs_match_transformers(rope, tmp_path):
     hf = make_checkpoint(tmp_path, "llama", rope_parameters={**rope, "rope_theta": 500.0})
     model = runtime.compile_model(tmp_path, compile=False, progress=False, max_seq_len=64)
-    ids = _ids(7, (1, 48))
+    ids = random_ids(7, (1, 48))
     with torch.no_grad():
         assert relative_l2(model(ids), hf(ids).logits) < 1e-4
 

@@ -14,7 +14,7 @@ import torch
 
 from bench.profiles.profile_compile import PHASES, phases
 from bench.profiles.profile_decode import kind_of
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 from tiny_tokenizer import write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"engine", "format", "label", "load_s", "compile_s", "warm_start_s", "first_token_s", "warm_first_token_s",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernel_checks import fp8_cpu_kernel
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt.cli import main
 
 FP8_KERNEL = fp8_cpu_kernel("qrt.fp8_linear")
@@ -53,7 +53,7 @@ def test_generate_reports_invalid_input_without_a_traceback(llama_dir, capsys):
 
 
 def test_inspect_names_a_stored_fp8_format_and_its_kernels(tmp_path, capsys):
-    from fp8_checkpoints import make_fp8_checkpoint
+    from helpers.checkpoints.fp8 import make_fp8_checkpoint
 
     make_fp8_checkpoint(tmp_path / "ckpt", "hf-fp8-block")
     assert main(["inspect", str(tmp_path / "ckpt"), "--tensors", "-1"]) == 0

@@ -3,8 +3,8 @@ prepacks (and, in `make test-slow`, matches the frozen one). Every format's grap
 
 import pytest
 
-from graph_checks import (assert_no_graph_breaks, assert_one_graph_per_role,
-                          decode_without_recompiles, swap_record)
+from helpers.graph_checks import (assert_no_graph_breaks, assert_one_graph_per_role,
+                                  decode_without_recompiles, swap_record)
 
 LINEARS_PER_LAYER = 4  # qkv_proj, o_proj, gate_up_proj, down_proj
 TINY_LAYERS = 2
@@ -62,7 +62,7 @@ def test_regional_build_matches_the_frozen_build(llama_dir, bf16_regional):
 
     from qrt import runtime
     from qrt.kernels.onednn_cpu import is_prepacked
-    from tp_worker import teacher_forced_logits
+    from helpers.tp_worker import teacher_forced_logits
 
     frozen = runtime.compile_model(llama_dir, dtype="bfloat16", progress=False, max_seq_len=128, build="frozen")
     assert not any(is_prepacked(m.weight) for m in frozen.model.modules() if hasattr(m, "quant_method"))
@@ -99,8 +99,8 @@ def test_bf16_fp8_model_runs_its_codes_packed_in_pairs(llama_dir):
 
     from qrt import runtime
     from qrt.kernels import native_cpu, pair_layout
-    from tiny_checkpoints import relative_l2
-    from tp_worker import teacher_forced_logits
+    from helpers.compare import relative_l2
+    from helpers.tp_worker import teacher_forced_logits
 
     model = runtime.compile_model(llama_dir, dtype="bfloat16", quant="fp8", progress=False, max_seq_len=128)
     layers = [m for m in model.model.modules() if hasattr(m, "quant_method") and m is not model.model.lm_head]

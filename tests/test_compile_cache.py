@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from graph_checks import assert_one_graph_per_role, decode_without_recompiles
+from helpers.checkpoints.tiny import edited_copy
+from helpers.graph_checks import assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from qrt import cli
 from qrt.runtime.compile_cache import MAGIC, CompileCache, checkpoint_identity, entry_key, list_entries
 from qrt.runtime.direct_graph import DirectGraph
-from tiny_checkpoints import edited_copy
 
 PROMPT = [5, 9, 2, 7, 11]
 

@@ -10,13 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.checkpoints.marlin24 import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
+from helpers.checkpoints.tiny import edited_copy, random_ids
+from helpers.compare import relative_l2
 from qrt import runtime
+from qrt.errors import CheckpointError, UnsupportedError
 from qrt.formats.compressed_tensors.marlin24 import (CtMarlin24Config, CtMarlin24LinearMethod,
                                                      group_scale_permutation, meta_positions, unpack_marlin24,
                                                      unpermute_scales, weight_permutation)
-from qrt.errors import CheckpointError, UnsupportedError
-from marlin24_checkpoints import dense_codes, make_marlin24_checkpoint, marlin24_tensors, marlin24_weight_perm
-from tiny_checkpoints import edited_copy, relative_l2
 
 LINEARS = 2 * 4  # 2 layers x (qkv, o, gate_up, down)
 DESCRIBED = {128: "compressed-tensors W4A16 2:4 sparse (marlin-24) g128",
@@ -72,10 +73,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _ids(seed=0):
-    return torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("group_size", [128, -1])
 def test_detected_and_matches_the_dequantized_model(group_size, checkpoints):
     folder, reference = checkpoints(group_size)
@@ -85,9 +82,9 @@ def test_detected_and_matches_the_dequantized_model(group_size, checkpoints):
                                                                           CtMarlin24LinearMethod)]
     assert len(methods) == LINEARS and {m.layout.name for m in methods} == {"int4pack"}
     with torch.no_grad():
-        expected = reference(_ids()).logits
+        expected = reference(random_ids()).logits
     # Both sides use the same dequantized fp32 weights: only summation order differs.
-    assert relative_l2(eager(_ids()), expected) < 1e-5
+    assert relative_l2(eager(random_ids()), expected) < 1e-5
 
 
 def _weights(**changes):
@@ -134,7 +131,7 @@ def test_a_correct_weight_shape_is_accepted(tmp_path, checkpoints):
         {"model.layers.1.mlp.down_proj.weight_shape": torch.tensor([128, 384])}))
     model = runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64)
     with torch.no_grad():
-        assert relative_l2(model(_ids()), reference(_ids()).logits) < 1e-5
+        assert relative_l2(model(random_ids()), reference(random_ids()).logits) < 1e-5
 
 
 def test_layers_off_the_marlin_tiles_are_refused():

@@ -4,8 +4,9 @@ graph, and Inductor compiles the rest for the GPU. Skipped where there is no CUD
 machines have none, so these run wherever a GPU is at hand (`pytest tests/test_cuda.py`).
 
 Two references, both run on the CPU in float32 so that only the GPU side's arithmetic is new:
-- every format's tiny checkpoint (format_cases) against the eager model on the CUDA layouts,
-  whose reference ops compute what the Triton kernels should (test_format_contract's tolerances);
+- every format's tiny checkpoint (helpers/checkpoints/format_cases) against the eager model on
+  the CUDA layouts, whose reference ops compute what the Triton kernels should
+  (test_format_contract's tolerances);
 - the real producers' checkpoints (tests/producers; the folder $QRT_PRODUCER_KIT, any subset
   of the kit's variants) against qrt's eager float32 model, which test_producers.py holds to the
   producers' own references.
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from format_cases import CASES
-from graph_checks import no_recompiles
-from test_format_contract import DECODE_STEPS, MAX_SEQ_LEN, TOLERANCE, _ids, case_folder  # noqa: F401  (a fixture)
-from tiny_checkpoints import relative_l2
-from tp_worker import teacher_forced_logits
+from helpers.checkpoints.format_cases import CASES
+from helpers.compare import relative_l2
+from helpers.graph_checks import no_recompiles
+from helpers.tp_worker import teacher_forced_logits
+from test_format_contract import CONTRACT_IDS, DECODE_STEPS, MAX_SEQ_LEN, TOLERANCE
+from test_format_contract import case_folder  # noqa: F401  (a fixture)
 
 from qrt import runtime
 from qrt.checkpoint.config import DeviceConfig
@@ -55,7 +57,7 @@ def test_compiled_on_cuda_matches_the_eager_reference_in_one_graph_per_role(name
                                   device_config=DeviceConfig("cpu", kernel_device="cuda"))
     assert _kernels_in_place(model) == case.cuda_kernels
     with torch.no_grad():
-        error = relative_l2(model(_ids().cuda()).cpu(), eager(_ids()))
+        error = relative_l2(model(CONTRACT_IDS.cuda()).cpu(), eager(CONTRACT_IDS))
     print(f"{name}: forward logits off by {error:.2e}")
     assert error < TOLERANCE.get(name, 1e-4), error
     model.generate([3, 4, 5], max_new_tokens=2, stop_at_eos=False)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import qrt.kernels.decode_attention_triton  # noqa: F401  (registers qrt::decode_attention_triton)
-from kernel_checks import BF16_RTOL, DEVICE, on_device
+from helpers.compare import relative_l2
+from helpers.kernel_checks import BF16_RTOL, DEVICE, on_device
 from qrt.kernels import native_cpu
 from qrt.kernels.decode_attention_reference import cache_values
 
@@ -69,10 +70,6 @@ def _float64_attention(q, k, v, slots, first, last, scale, softcap, k_scale, v_s
     return out
 
 
-def _relative(got, expected):
-    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
-
-
 # The reference sums in fp32: float64 differs by fp32 rounding; then its output is rounded to the dtype.
 ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 5e-4}
 
@@ -87,14 +84,14 @@ def test_reference_is_attention_over_each_rows_own_extent(heads, dtype, softcap)
     got = torch.ops.qrt.decode_attention(q, k, v, slots, first, last, scale, softcap, k_scale, v_scale)
     expected = _float64_attention(q, k, v, slots, first, last, scale, softcap, k_scale, v_scale)
     assert got.dtype == dtype and got.shape == q.shape
-    assert _relative(got, expected) < ROUNDING[dtype]
+    assert relative_l2(got, expected) < ROUNDING[dtype]
 
 
 def test_reference_reads_an_fp8_cache_as_the_model_dequantizes_it():
     q, k, v, slots, first, last, k_scale, v_scale = _inputs(HEADS[0], torch.bfloat16, torch.float8_e4m3fn, EXTENTS)
     got = torch.ops.qrt.decode_attention(q, k, v, slots, first, last, 0.125, 0.0, k_scale, v_scale)
     expected = _float64_attention(q, k, v, slots, first, last, 0.125, 0.0, k_scale, v_scale)
-    assert _relative(got, expected) < ROUNDING[torch.bfloat16]
+    assert relative_l2(got, expected) < ROUNDING[torch.bfloat16]
 
 
 # The kernel sums in another order (chunks of 128 merged, a polynomial exp) before the same
@@ -109,7 +106,7 @@ def _check_against_reference(run, heads, dtype, cache, rtol):
     expected = torch.ops.qrt.decode_attention(*args[:6], scale, 0.0, *args[6:])
     got = run(*args[:6], scale, 0.0, *args[6:])
     assert got.dtype == dtype and got.shape == expected.shape
-    assert _relative(got, expected) < rtol
+    assert relative_l2(got, expected) < rtol
     # every row and head on its own, so that one short row cannot hide under the long ones
     per_row = (got.double() - expected.double()).norm(dim=-1) / expected.double().norm(dim=-1)
     assert per_row.max().item() < 4 * rtol
@@ -119,7 +116,7 @@ def _check_soft_cap(run, dtype, rtol):
     args = _inputs(HEADS[4], dtype, dtype, EXTENTS, seed=7)
     q = args[0] * 8  # scores well past the cap, where tanh saturates
     expected = torch.ops.qrt.decode_attention(q, *args[1:6], 0.0625, 50.0, *args[6:])
-    assert _relative(run(q, *args[1:6], 0.0625, 50.0, *args[6:]), expected) < rtol
+    assert relative_l2(run(q, *args[1:6], 0.0625, 50.0, *args[6:]), expected) < rtol
 
 
 @needs_kernel

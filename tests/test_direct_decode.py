@@ -5,7 +5,7 @@ graph."""
 import pytest
 import torch
 
-from graph_checks import no_recompiles
+from helpers.graph_checks import no_recompiles
 
 
 class CountingCalls:

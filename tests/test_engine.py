@@ -4,7 +4,7 @@ and every output what the request gives alone."""
 
 import pytest
 
-from graph_checks import no_recompiles
+from helpers.graph_checks import no_recompiles
 from qrt.runtime.engine import CANCELLED, ERROR, LENGTH, STOP, Engine, plan_chunks
 from qrt.runtime.prefix_cache import PrefixCache
 from qrt.runtime.sampling import SamplingParams

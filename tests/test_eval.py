@@ -10,6 +10,7 @@ import torch
 
 from qrt import runtime
 from bench import quality
+from helpers.checkpoints.tiny import random_ids
 from qrt.formats.catalog import online_formats
 from qrt.cli import main
 from qrt.runtime.evaluate import DEFAULT_TEXT, encode, perplexity_of_ids, perplexity_of_text, plan_windows, read_text
@@ -62,7 +63,7 @@ def test_windows_score_every_token_once_with_enough_context(n_tokens, window, st
 
 
 def test_sliding_window_perplexity_matches_transformers(model, llama_dir, hf_model):
-    ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(0))
+    ids = random_ids(0, (100,))
     result = perplexity_of_ids(model, ids, window=WINDOW, stride=STRIDE)
     # The reference: windows start every STRIDE tokens, the last ends at the last token, and each
     # token is scored in the first window that holds it and the token before it.
@@ -78,7 +79,7 @@ def test_sliding_window_perplexity_matches_transformers(model, llama_dir, hf_mod
 
 
 def test_a_sequence_within_the_window_is_one_plain_forward(model, llama_dir, hf_model):
-    ids = torch.randint(0, 300, (WINDOW,), generator=torch.Generator().manual_seed(1))
+    ids = random_ids(1, (WINDOW,))
     result = perplexity_of_ids(model, ids, window=WINDOW)
     nll = hf_token_nll(hf_model(llama_dir), ids, 0, range(1, WINDOW))
     assert result.windows == 1 and result.scored_tokens == WINDOW - 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_checks import BF16_RTOL, DEVICE, SUM_RTOL, assert_within
+from helpers.kernel_checks import BF16_RTOL, DEVICE, SUM_RTOL, assert_within
 from qrt.kernels.experts_reference import ExpertLayers, ExpertProjection, register_expert_layers
 from qrt.kernels.experts_triton import align_pairs_by_expert
 from qrt.kernels.int_reference import pack_rows

@@ -1,17 +1,18 @@
 """The contract every registered format keeps, checked on a tiny checkpoint in its on-disk form
-(format_cases.py): compiled output equal to the eager reference, one graph per role, no
-recompiles over 32 decode steps, the expected kernel on the CPU and, with the CUDA layouts and
-pass list, on CUDA (its Triton kernels running under the interpreter), and errors that name the
-file and tensor when a tensor is missing or misshapen."""
+(tests/helpers/checkpoints/format_cases/): compiled output equal to the eager reference, one graph
+per role, no recompiles over 32 decode steps, the expected kernel on the CPU and, with the CUDA
+layouts and pass list, on CUDA (its Triton kernels running under the interpreter), and errors that
+name the file and tensor when a tensor is missing or misshapen."""
 
 import math
 
 import pytest
 import torch
-from format_cases import CASES, registry_ids
-from graph_checks import no_recompiles
+from helpers.checkpoints.format_cases import CASES, registry_ids
+from helpers.checkpoints.tiny import edited_copy, random_ids
+from helpers.compare import relative_l2
+from helpers.graph_checks import no_recompiles
 from safetensors import safe_open
-from tiny_checkpoints import edited_copy, relative_l2
 
 from qrt import runtime
 from qrt.checkpoint.config import DeviceConfig
@@ -31,11 +32,8 @@ MAX_SEQ_LEN = 128  # as conftest's `compiled`, whose models the online cases sha
 _INT8_ACTIVATIONS = 0.05
 TOLERANCE = {"compressed-tensors:float-quantized": 1e-2, "online:w8a8": _INT8_ACTIVATIONS,
              "compressed-tensors:int W8A8": _INT8_ACTIVATIONS, "stored:qqq": _INT8_ACTIVATIONS}
-
-
-def _ids(seed=0):
-    # Batch 2: the forward graph is compiled for one batch size, and other tests score pairs.
-    return torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(seed))
+# Batch 2: the forward graph is compiled for one batch size, and other tests score pairs.
+CONTRACT_IDS = random_ids(shape=(2, 12))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +60,8 @@ def compiled_case(case_folder, compiled):
 
 def test_every_registered_format_has_a_case():
     missing = registry_ids() - set(CASES)
-    assert not missing, f"registered formats without a contract case in tests/format_cases.py: {sorted(missing)}"
+    assert not missing, ("registered formats without a contract case in tests/helpers/checkpoints/format_cases/: "
+                         f"{sorted(missing)}")
     assert set(CASES) - {"none"} <= registry_ids(), "a case names a format the registry no longer has"
 
 
@@ -81,7 +80,7 @@ def test_compiled_equals_eager_in_one_graph_per_role_with_the_cpu_kernels(name, 
     eager = runtime.compile_model(case_folder(name), case.quant, compile=False, progress=False,
                                   max_seq_len=MAX_SEQ_LEN, dtype=case.dtype)
     with torch.no_grad():
-        error = relative_l2(model(_ids()), eager(_ids()))
+        error = relative_l2(model(CONTRACT_IDS), eager(CONTRACT_IDS))
     assert error < TOLERANCE.get(name, 1e-4), error
     model.generate([3, 4, 5], max_new_tokens=2, stop_at_eos=False)
     with no_recompiles(model):
@@ -112,7 +111,7 @@ def test_cuda_layouts_kernels_and_passes(name, case_folder):
     backend = QrtBackend("cuda-layouts", inductor=False, device="cuda")
     traced = torch.compile(_fresh_forward(name), backend=backend, fullgraph=True)
     with torch.no_grad():
-        got, expected = traced(eager.model, _ids()), eager.model(_ids())
+        got, expected = traced(eager.model, CONTRACT_IDS), eager.model(CONTRACT_IDS)
     (graph,) = backend.log.graphs
     assert [record.name for record in graph.passes] == [p.name for p in passes_for("cuda")]
     assert {c.kernel for c in graph.kernel_choices} == case.cuda_kernels

@@ -13,7 +13,7 @@ from torch._inductor import config as inductor_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qrt.kernels  # noqa: F401  (registers the ops)
-from kernel_checks import BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, random_bias
+from helpers.kernel_checks import BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, random_bias
 from qrt.kernels.fp8_block_cpu import fp8_block_linear_cpu
 from qrt.kernels.fp8_block_reference import dequantize_block_fp8, dequantize_groups_fp8, quantize_groups_fp8
 from qrt.kernels.fp8_block_triton import fp8_block_gemm_triton, quantize_groups_fp8_triton

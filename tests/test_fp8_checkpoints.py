@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.checkpoints.fp8 import FAMILIES, make_fp8_checkpoint
+from helpers.checkpoints.tiny import random_ids
+from helpers.compare import relative_l2
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
-from fp8_checkpoints import FAMILIES, make_fp8_checkpoint
-from kernel_checks import fp8_cpu_kernel
 from qrt.errors import CheckpointError, UnsupportedError
-from tiny_checkpoints import relative_l2
 
 EXPECTED = {  # family -> (words inspect/describe must show, logical op, CPU kernel op)
     "hf-fp8-dynamic": ("HF fp8: tensor weight scales, dynamic per token", "qrt.fp8_linear", fp8_cpu_kernel("qrt.fp8_linear")),
@@ -42,17 +43,13 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _ids(seed=0):
-    return torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_detected_and_matches_the_dequantized_model(family, checkpoints):
     folder, reference = checkpoints(family)
     described, _, kernel = EXPECTED[family]
     eager = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
     assert described in eager.scheme.describe()
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
         expected = reference(ids).logits
     # Weights are exactly the checkpoint's dequantized values (block weights up to one fp32
@@ -156,7 +153,7 @@ def test_modelopt_fp8_kv_cache_stores_e4m3_with_the_stored_scales(checkpoints, c
     assert float(layers[1].self_attn.v_scale) == torch.tensor(0.02).item()
     # Decoding through the fp8 cache stays close to the full forward, which keeps K/V unrounded:
     # e4m3 keeps 3 mantissa bits, so K and V carry up to 2**-4 relative error each.
-    ids = _ids(5)[:1, :12]
+    ids = random_ids(5)[:1, :12]
     full = model(ids)[0]
     model.prefill(ids[:, :8])
     for pos in range(8, 12):

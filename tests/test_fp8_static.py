@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qrt.kernels  # noqa: F401  (registers the ops)
-from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, fp8_sum_bound, fp8_weights,
-                           random_bias)
+from helpers.kernel_checks import (BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, fp8_sum_bound, fp8_weights,
+                                   random_bias)
 from qrt.kernels.fp8_reference import FP8_DTYPE, FP8_MAX
 from qrt.kernels.fp8_static_cpu import fp8_static_linear_cpu
 from qrt.kernels.fp8_static_reference import quantize_static_fp8

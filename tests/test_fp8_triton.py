@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernel_checks import (BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, fp8_sum_bound, fp8_weights,
-                           random_bias)
+from helpers.kernel_checks import (BF16_RTOL, DEVICE, DTYPES, FP8_MMA_RTOL, assert_within, fp8_sum_bound, fp8_weights,
+                                   random_bias)
 from qrt.kernels.fp8_reference import FP8_DTYPE, quantize_rows_fp8
 from qrt.kernels.fp8_triton import fp8_gemm_triton, quantize_rows_fp8_triton
 

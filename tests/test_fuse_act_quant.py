@@ -12,7 +12,10 @@ from torch import nn
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
-from graph_checks import qrt_op_counts
+from helpers.checkpoints.tiny import random_ids
+from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint
+from helpers.compare import relative_l2
+from helpers.graph_checks import qrt_op_counts
 from qrt import runtime
 from qrt.kernels.int8_reference import weight_row_sums
 from qrt.kernels.int_reference import pack_rows
@@ -20,8 +23,6 @@ from qrt.passes.base import count_ops, graph_modules
 from qrt.passes.fuse_act_quant import FuseActivationQuant
 from qrt.passes.manager import passes_for
 from qrt.runtime.models.layers import RMSNorm
-from tiny_checkpoints import relative_l2
-from w8a8_checkpoints import make_ct_w8a8_checkpoint
 
 
 def capture(fn, *args):
@@ -157,7 +158,7 @@ def test_fuses_the_tiny_w8a8_model_graph(tmp_path, layers_once):
     make_ct_w8a8_checkpoint(tmp_path / "ckpt")
     model = runtime.compile_model(tmp_path / "ckpt", compile=False, progress=False, max_seq_len=32).model
     model.compile_layers_once = layers_once
-    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(3))
+    ids = random_ids(3, (2, 8))
     gm, inputs = capture(lambda m, i: m(i), model, ids)
     assert len(graph_modules(gm)) == (2 if layers_once else 1)
     for _, graph, _ in graph_modules(gm):  # what the swap pass does on CUDA

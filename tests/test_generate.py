@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graph_checks import no_recompiles
+from helpers.graph_checks import no_recompiles
 from qrt.runtime.sampling import SamplingParams, sample
 
 

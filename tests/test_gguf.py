@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from format_cases.gguf import write_gguf_llama
-from tiny_checkpoints import relative_l2
+from helpers.checkpoints.format_cases.gguf import write_gguf_llama
+from helpers.compare import relative_l2
 
 from qrt import runtime
 from qrt.errors import CheckpointError

@@ -8,13 +8,14 @@ import shutil
 import pytest
 import torch
 
-from graph_checks import decode_without_recompiles
+from helpers.checkpoints.integer import ct_config, make_int_checkpoint
+from helpers.checkpoints.tiny import edited_copy, random_ids
+from helpers.compare import relative_l2
+from helpers.graph_checks import decode_without_recompiles
 from qrt import runtime
-from int_checkpoints import ct_config, make_int_checkpoint
 from qrt.checkpoint.config import LoadConfig
 from qrt.errors import CheckpointError, UnsupportedError
 from qrt.formats.int_online import quantize_int_rows
-from tiny_checkpoints import edited_copy, relative_l2
 
 
 def gptq(bits=4, group_size=32, desc_act=False, sym=True, fmt="gptq", **extra):
@@ -72,10 +73,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _ids(seed=0):
-    return torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
-
-
 def _layouts(model) -> set:
     return {m.quant_method.layout.name for m in model.modules() if getattr(getattr(m, "quant_method", None), "layout", None)}
 
@@ -87,7 +84,7 @@ def test_detected_and_matches_the_dequantized_model(name, checkpoints):
     eager = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
     assert described in eager.scheme.describe()
     assert _layouts(eager.model) == layout
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
         expected = reference(ids).logits
     # Both sides use the same dequantized fp32 weights: only summation order differs.
@@ -100,7 +97,7 @@ def test_online_int_quantization_compiles_and_stays_close_to_bf16(quant, layout,
     assert _layouts(model.model.model) == {layout}
     assert model.model.lm_head.quant_method.layout.name == "int8pack"  # lm_head: int8 per channel
     assert quant in model.scheme.describe()
-    ids = _ids(1)
+    ids = random_ids(1)
     with torch.no_grad():
         expected = hf_model(llama_dir)(ids).logits
     # Round-to-nearest error of random 0.02-scale weights, through 2 layers: int8 per channel
@@ -113,7 +110,7 @@ def test_dummy_load_quantizes_random_weights_through_the_online_loader(llama_dir
     model = runtime.compile_model(llama_dir, quant="int4", load_config=LoadConfig(load_format="dummy", progress=False),
                                   compile=False, progress=False, max_seq_len=64)
     assert _layouts(model.model) == {"int4pack", "int8pack"}  # layers, lm_head
-    assert torch.isfinite(model(_ids())).all()
+    assert torch.isfinite(model(random_ids())).all()
 
 
 def test_online_int_quantizes_a_tied_lm_head_from_the_embeddings_and_keeps_them(tied_llama_dir, hf_model):
@@ -124,7 +121,7 @@ def test_online_int_quantizes_a_tied_lm_head_from_the_embeddings_and_keeps_them(
     assert model.model.lm_head.quant_method.layout.name == "int8pack"
     assert "lm_head int8 per channel" in model.scheme.describe()
     with torch.no_grad():
-        assert relative_l2(model(_ids()), reference(_ids()).logits) < 0.02
+        assert relative_l2(model(random_ids()), reference(random_ids()).logits) < 0.02
 
 
 def test_side_files_are_detected(tmp_path, checkpoints):
@@ -142,7 +139,7 @@ def test_side_files_are_detected(tmp_path, checkpoints):
         model = runtime.compile_model(copy, compile=False, progress=False, max_seq_len=64)
         assert CASES[name][3] in model.scheme.describe()
         with torch.no_grad():
-            assert relative_l2(model(_ids()), reference(_ids()).logits) < 1e-5
+            assert relative_l2(model(random_ids()), reference(random_ids()).logits) < 1e-5
 
 
 def _rewrite(folder, tmp_path, *, config=None, tensors=None):
@@ -233,4 +230,4 @@ def test_gptq_with_a_quantized_lm_head(tmp_path):
     model = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=64)
     assert model.model.lm_head.quant_method.name == "gptq"
     with torch.no_grad():
-        assert relative_l2(model(_ids()), reference(_ids()).logits) < 1e-5
+        assert relative_l2(model(random_ids()), reference(random_ids()).logits) < 1e-5

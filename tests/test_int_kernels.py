@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
-from int_checkpoints import pack_fields
-from kernel_checks import on_device, random_rows
+from helpers.checkpoints.integer import pack_fields
+from helpers.compare import relative_l2
+from helpers.kernel_checks import on_device, random_rows
+from qrt.formats.int_weights import install_int_weights
 from qrt.kernels import native_cpu, pair_layout
 from qrt.kernels.int_cpu import MIN_ROWS_DEQUANTIZED, int4_cpu_group, pack_int4_for_cpu, pack_int8_for_cpu
 from qrt.kernels.int_reference import IntWeights, int_linear_reference, unpack_rows
-from qrt.formats.int_weights import install_int_weights
-from tiny_checkpoints import relative_l2
 
 
 def random_layer(k, n, bits, group_size, *, act_order=False, asym=True, seed=0):

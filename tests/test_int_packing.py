@@ -1,5 +1,5 @@
 """Pack -> unpack is the identity for every integer layout, checked against the independent
-packers in int_checkpoints.py (property tests over shapes and values)."""
+packers in helpers/checkpoints/integer.py (property tests over shapes and values)."""
 
 from types import SimpleNamespace
 
@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from int_checkpoints import AWQ_ORDER, pack_fields, to_int32
-from qrt.kernels.int_reference import pack_rows, unpack_rows
+from helpers.checkpoints.integer import AWQ_ORDER, pack_fields, to_int32
 from qrt.formats.awq import unpack_awq
 from qrt.formats.compressed_tensors.int_weight_only import load_zero_point
 from qrt.formats.gptq import gptq_zero_points
+from qrt.kernels.int_reference import pack_rows, unpack_rows
 from qrt.layers.linear import ShardLayout
 
 SETTINGS = settings(max_examples=40, deadline=None)

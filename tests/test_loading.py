@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kernel_checks import fp8_cpu_kernel
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
 from qrt.errors import CheckpointError, ConfigError, UnsupportedError
 

@@ -13,23 +13,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from activation_quant import (fp8_per_group, fp8_static, fp8_per_token, int8_per_token, rounded_inputs, with_int8_lm_head,
-                             with_rounded_weights)
-from graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles, swap_record
-from moe_checkpoints import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
-                             online_int_reference)
-from kernel_checks import fp8_cpu_kernel
+from helpers.activation_rounding import (fp8_per_group, fp8_per_token, fp8_static, int8_per_token, rounded_inputs,
+                                         with_int8_lm_head, with_rounded_weights)
+from helpers.checkpoints.moe import (MOE_ARCHS, QUANTIZED, make_moe_checkpoint, make_quantized_moe_checkpoint,
+                                     online_int_reference)
+from helpers.checkpoints.tiny import random_ids
+from helpers.compare import relative_l2
+from helpers.graph_checks import (assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles,
+                                  swap_record)
+from helpers.kernel_checks import fp8_cpu_kernel
 from qrt import runtime
 from qrt.errors import CheckpointError
 from qrt.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from qrt.runtime.models.mla import cache_bytes_per_token
-from tiny_checkpoints import relative_l2
 
 SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "deepseek_v2": 2, "deepseek_v3": 2}
-
-
-def _ids(seed, shape):
-    return torch.randint(0, 300, shape, generator=torch.Generator().manual_seed(seed))
 
 
 @dataclass
@@ -65,7 +63,7 @@ def test_bf16_checkpoints_match_transformers_in_fp32(arch, tmp_path):
     hf = make_moe_checkpoint(tmp_path / arch, arch, dtype=torch.bfloat16)
     model = runtime.compile_model(tmp_path / arch, compile=False, progress=False, max_seq_len=64)
     assert next(model.model.parameters()).dtype == torch.bfloat16
-    ids, prompt = _ids(0, (2, 24)), _ids(1, (1, 10))
+    ids, prompt = random_ids(0, (2, 24)), random_ids(1, (1, 10))
     with torch.no_grad():
         # bf16 activations move these tiny models' logits by 1-6% (measured); a flipped expert
         # choice for some tokens moves them by 15% or more.
@@ -78,7 +76,7 @@ def test_bf16_checkpoints_match_transformers_in_fp32(arch, tmp_path):
 def test_eager_logits_and_greedy_generation_match_transformers(arch, tmp_path):
     hf = make_moe_checkpoint(tmp_path / arch, arch)
     model = runtime.compile_model(tmp_path / arch, compile=False, progress=False, max_seq_len=64)
-    ids, prompt = _ids(0, (2, 24)), _ids(1, (1, 10))
+    ids, prompt = random_ids(0, (2, 24)), random_ids(1, (1, 10))
     with torch.no_grad():
         assert relative_l2(model(ids), hf(ids).logits) < 1e-3
         expected = hf.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
@@ -89,7 +87,7 @@ def test_compiled_logits_match_transformers(moe):
     # Through the prefill graph (its length is dynamic): the last token's logits of prompts of
     # three lengths, every token having routed through its own experts on the way.
     for length in (9, 17, 24):
-        ids = _ids(length, (1, length))
+        ids = random_ids(length, (1, length))
         with torch.no_grad():
             expected = moe.hf(ids).logits[0, -1]
             got = moe.compiled().prefill(ids)[0, -1]
@@ -97,7 +95,7 @@ def test_compiled_logits_match_transformers(moe):
 
 
 def test_greedy_generation_matches_transformers(moe):
-    prompt = _ids(1, (1, 10))
+    prompt = random_ids(1, (1, 10))
     with torch.no_grad():
         expected = moe.hf.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert moe.compiled().generate(prompt[0].tolist(), max_new_tokens=24, stop_at_eos=False) == expected[0, 10:].tolist()
@@ -152,7 +150,7 @@ def test_quantized_experts_match_the_dequantized_model(arch, fmt, tmp_path):
     model = runtime.compile_model(tmp_path / fmt, compile=False, progress=False, max_seq_len=64)
     _, _, kernel = QUANTIZED[fmt]
     assert _experts_kernels(model) == {kernel}
-    ids = _ids(2, (2, 16))
+    ids = random_ids(2, (2, 16))
     rounding = ACTIVATION_ROUNDING.get(fmt)
     if fmt == "modelopt-fp8-tensor":
         rounding = static_input_rounding(tmp_path / fmt)
@@ -203,7 +201,7 @@ def test_deepseek_v3_quantized_with_latent_attention(fmt, tmp_path):
     _, _, kernel = QUANTIZED[fmt]
     assert _experts_kernels(model) == {kernel}
     assert model.model.model.layers[1].self_attn.kv_b_proj.weight.kernel == kernel
-    ids = _ids(2, (2, 16))
+    ids = random_ids(2, (2, 16))
     rounding = ACTIVATION_ROUNDING.get(fmt)
     with torch.no_grad(), (rounded_inputs(reference, rounding)):
         expected = reference(ids).logits
@@ -223,7 +221,7 @@ def test_online_int_experts_match_their_dequantized_weights(qwen2_moe, bits):
     folder, _ = qwen2_moe
     model = runtime.compile_model(folder, quant=f"int{bits}", compile=False, progress=False, max_seq_len=64)
     assert _experts_kernels(model) == {f"qrt.int{bits}pack_linear"}
-    ids = _ids(3, (2, 16))
+    ids = random_ids(3, (2, 16))
     with torch.no_grad():
         expected = online_int_reference(folder, bits)(ids).logits
     assert relative_l2(model(ids), expected) < 1e-4
@@ -234,7 +232,7 @@ def test_online_activation_quantized_experts(qwen2_moe, quant, kernel):
     folder, hf = qwen2_moe
     model = runtime.compile_model(folder, quant=quant, compile=False, progress=False, max_seq_len=64)
     assert _experts_kernels(model) == {kernel}
-    ids = _ids(3, (2, 16))
+    ids = random_ids(3, (2, 16))
     # The reference: weights rounded as the online format stores them (per output channel), and
     # activations per token, both written here from the formats' definitions.
     rounding = {"fp8": fp8_per_token, "w8a8": int8_per_token}[quant]
@@ -338,7 +336,7 @@ def test_the_swap_pass_puts_the_recorded_experts_kernel_in_place(qwen2_moe, quan
     assert eager.model.model.layers[0].mlp.experts.gate_up_proj.weight.experts_kernel == kernel
     backend = QrtBackend(f"{kernel_device}-layouts", inductor=False, device=kernel_device)
     traced = torch.compile(own_copy(_forward, f"moe_{kernel_device}_{quant}"), backend=backend, fullgraph=True)
-    ids = _ids(4, (2, 12))
+    ids = random_ids(4, (2, 12))
     with torch.no_grad():
         got, expected = traced(eager.model, ids), eager.model(ids)
     (graph,) = backend.log.graphs

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from kernel_checks import SUM_RTOL, assert_within
+from helpers.kernel_checks import SUM_RTOL, assert_within
 from qrt.kernels import (bf16_native_cpu, fp8_native_cpu, fp8_pairs_cpu, int4_pairs_cpu, int8_pairs_cpu, int_cpu,
                          native_cpu, pair_layout)
 from qrt.kernels.fp8_block_reference import fp8_block_linear_reference, quantize_groups_fp8

@@ -5,10 +5,10 @@ every slot gives it: warmup checks, and the engine relies on the check."""
 import pytest
 import torch
 
+from helpers.checkpoints.tiny import make_checkpoint
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams
-from tiny_checkpoints import make_checkpoint
 
 SLOTS, MAX_SEQ_LEN = 3, 128
 

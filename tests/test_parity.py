@@ -3,20 +3,18 @@
 import pytest
 import torch
 
+from helpers.checkpoints.tiny import random_ids
+from helpers.compare import relative_l2
 from qrt import runtime
-from tiny_checkpoints import relative_l2
 
 ARCHS = ["llama_dir", "qwen2_dir", "tied_llama_dir"]
-
-
-def _ids(seed, shape=(2, 24), vocab=300):
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+IDS_SHAPE = (2, 24)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_logits_match_transformers(arch, request, compiled, hf_model):
     folder = request.getfixturevalue(arch)
-    ids = _ids(0)
+    ids = random_ids(0, IDS_SHAPE)
     with torch.no_grad():
         expected = hf_model(folder)(ids).logits
     got = compiled(folder)(ids)
@@ -27,7 +25,7 @@ def test_compiled_logits_match_transformers(arch, request, compiled, hf_model):
 @pytest.mark.parametrize("arch", ["llama_dir", "qwen2_dir"])
 def test_greedy_generation_matches_transformers(arch, request, compiled, hf_model):
     folder = request.getfixturevalue(arch)
-    prompt = _ids(1, (1, 10))
+    prompt = random_ids(1, (1, 10))
     with torch.no_grad():
         expected = hf_model(folder).generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     got = compiled(folder).generate(prompt[0].tolist(), max_new_tokens=16, stop_at_eos=False)
@@ -37,7 +35,7 @@ def test_greedy_generation_matches_transformers(arch, request, compiled, hf_mode
 def test_cached_decoding_matches_full_forward(llama_dir, compiled):
     """Prefill + decode through the KV cache gives the logits the no-cache forward gives."""
     model = compiled(llama_dir)
-    ids = _ids(2, (1, 12))
+    ids = random_ids(2, (1, 12))
     full = model(ids)[0]  # [T, V]
     with torch.no_grad():
         last = model.prefill(ids[:, :8])
@@ -49,7 +47,7 @@ def test_cached_decoding_matches_full_forward(llama_dir, compiled):
 
 def test_fp8_compiled_kernel_path_matches_the_reference_op(llama_dir, compiled):
     """The swapped CPU kernel computes what the logical op's reference computes."""
-    ids = _ids(3)
+    ids = random_ids(3, IDS_SHAPE)
     eager = runtime.compile_model(llama_dir, quant="fp8", compile=False, progress=False, max_seq_len=128)
     reference = eager(ids)
     got = compiled(llama_dir, "fp8")(ids)
@@ -59,7 +57,7 @@ def test_fp8_compiled_kernel_path_matches_the_reference_op(llama_dir, compiled):
 
 
 def test_fp8_logits_stay_close_to_the_unquantized_model(llama_dir, compiled, hf_model):
-    ids = _ids(4)
+    ids = random_ids(4, IDS_SHAPE)
     with torch.no_grad():
         expected = hf_model(llama_dir)(ids).logits
     got = compiled(llama_dir, "fp8")(ids)

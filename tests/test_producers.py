@@ -28,15 +28,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from activation_quant import (
+from bench.tp import torchrun_localhost
+from helpers.activation_rounding import (
     DRIFT_FACTOR, NUDGES, UNQUANTIZED, fp8_kv_cache, fp8_per_group, fp8_per_token, fp8_static, int8_per_group,
     int8_per_token, nudged, reference_drift, rounded_inputs)
-from bench.tp import torchrun_localhost
+from helpers.compare import relative_l2
+from helpers.tp_worker import teacher_forced_logits
 from producers import autoawq_variants, gptqmodel_variants, llmcompressor_variants, modelopt_variants
 from producers import build as kit_build
 from producers.base_models import load_tensors
-from tiny_checkpoints import relative_l2
-from tp_worker import teacher_forced_logits
 
 from qrt import runtime
 from qrt.kernels import int4_pairs_cpu
@@ -50,7 +50,7 @@ VARIANTS = [*gptqmodel_variants.VARIANTS, *autoawq_variants.VARIANTS, *llmcompre
 # from both graphs and from attention over a KV cache that grows to the whole sequence.
 IDS = list(b"Quantized checkpoints from real producers.")[:40]
 PREFILL = 16
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "tp_worker.py"
 TORCHRUN_TIMEOUT_S = 2400  # every variant on two or four ranks, one after another
 
 # Bounds on the relative L2 error of the logits (all positions at once), or of one linear's output:
@@ -165,7 +165,7 @@ KERNEL_ROUNDING = {"int8 per-token dynamic": bf16_sums}
 @cache
 def reference_logits(name: str, tp: int, dtype: str = "float32", nudge: int = 0, kernel_rounding: bool = False) -> torch.Tensor:
     """transformers on the variant's float32 reference, run in `dtype`, its activations (and KV
-    cache) rounded as the format does at `tp` ranks, its embeddings nudged by activation_quant's
+    cache) rounded as the format does at `tp` ranks, its embeddings nudged by activation_rounding's
     `nudged(..., nudge)` (0: not), its quantized linears' outputs rounded as KERNEL_ROUNDING says
     when `kernel_rounding`: float32 logits [len(IDS) - PREFILL + 1, V] at the positions
     teacher_forced_logits gives."""
@@ -186,7 +186,7 @@ def reference_logits(name: str, tp: int, dtype: str = "float32", nudge: int = 0,
 
 def drift_bound(name: str, tp: int, dtype: str, compiled: bool = False) -> float:
     """DRIFT_FACTOR times how far the float32 reference moves under changes of arithmetic alone:
-    for float32 runs, in float64 or with nudged embeddings (activation_quant.reference_drift), and
+    for float32 runs, in float64 or with nudged embeddings (activation_rounding.reference_drift), and
     for a compiled run with a kernel that rounds its sums, with those sums rounded likewise; for
     the checkpoint's dtype, run in it (nudged or not). Never below SUMMATION_ORDER."""
     base = reference_logits(name, tp)

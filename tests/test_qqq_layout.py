@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.checkpoints.w8a8 import qqq_pack, qqq_permute_scales
 from qrt.formats.qqq import (channel_scale_permutation, group_scale_permutation, unpack_qqq_weight,
                              unpermute_columns, weight_permutation)
-from w8a8_checkpoints import qqq_pack, qqq_permute_scales
 
 
 def test_permutations_are_permutations():

@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from graph_checks import assert_no_graph_breaks, no_recompiles
+from helpers.checkpoints.tiny import make_checkpoint
+from helpers.graph_checks import assert_no_graph_breaks, no_recompiles
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams, check_guess, probabilities
 from qrt.runtime.speculative import CheckCosts, SpeculativeConfig, prompt_lookup
-from tiny_checkpoints import make_checkpoint
 
 K = 3
 MAX_SEQ_LEN = 640

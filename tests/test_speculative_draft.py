@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 
+from helpers.checkpoints.tiny import make_checkpoint
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams
 from test_speculative import _looping_prompt, _run, always_checking
-from tiny_checkpoints import make_checkpoint
 
 pytestmark = pytest.mark.slow  # three models compiled: `make test-slow`
 

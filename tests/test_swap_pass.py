@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import qrt.kernels  # noqa: F401
-from graph_checks import swap_record
+from helpers.graph_checks import swap_record
 from qrt.kernels.fp8_reference import quantize_rows_fp8
 from qrt.passes.backend import QrtBackend
 from qrt.passes.base import count_ops

@@ -1,10 +1,11 @@
 """Tensor parallelism at tp=2 on the CPU: two gloo ranks started by torchrun, one thread each.
 
-Every registered format (the contract cases of format_cases) and the architectures whose layouts
-differ (KV heads split or replicated, q/k/v fused on disk, Gemma 2's soft-caps) load sharded with
-logits matching tp=1 and identical greedy tokens; a compiled model keeps one graph per role with
-no recompiles on either rank; a combination that cannot be split is refused before any weight is
-read; a failing rank makes every rank exit; each rank holds about half the weights."""
+Every registered format (the contract cases of helpers/checkpoints/format_cases) and the
+architectures whose layouts differ (KV heads split or replicated, q/k/v fused on disk, Gemma 2's
+soft-caps) load sharded with logits matching tp=1 and identical greedy tokens; a compiled model
+keeps one graph per role with no recompiles on either rank; a combination that cannot be split is
+refused before any weight is read; a failing rank makes every rank exit; each rank holds about half
+the weights."""
 
 import json
 import os
@@ -14,20 +15,19 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import marlin24_checkpoints
 import pytest
 import torch
-import tiny_checkpoints
-import w8a8_checkpoints
-from arch_checkpoints import make_arch_checkpoint
 from bench.tools.random_llama import write_random_llama
 from bench.tp import torchrun_localhost
-from format_cases import CASES
-from fp8_checkpoints import make_fp8_checkpoint
-from moe_checkpoints import make_moe_checkpoint
-from int_checkpoints import make_int_checkpoint
+from helpers.checkpoints import marlin24, tiny, w8a8
+from helpers.checkpoints.architectures import make_arch_checkpoint
+from helpers.checkpoints.format_cases import CASES
+from helpers.checkpoints.fp8 import make_fp8_checkpoint
+from helpers.checkpoints.integer import make_int_checkpoint
+from helpers.checkpoints.moe import make_moe_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint, random_ids
+from helpers.compare import relative_l2
 from test_format_contract import TOLERANCE
-from tiny_checkpoints import make_checkpoint, relative_l2
 
 from qrt import runtime
 from qrt.checkpoint.source import SafetensorsCheckpoint
@@ -38,9 +38,9 @@ from qrt.formats.resolve import resolve_scheme
 from qrt.layers.tensor_parallel import Parallelism
 from qrt.runtime.registry import ModelRegistry
 
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "tp_worker.py"
 TIMEOUT_S = 300  # every torchrun below ends well within this, or the test fails
-IDS = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0)).tolist()
+IDS = random_ids(0, (2, 12)).tolist()
 PROMPT = list(range(20, 31))
 STEPS = 12
 
@@ -52,7 +52,7 @@ def shapes_that_split_in_two():
     o_proj and down_proj with 128 and 256 input channels per rank."""
     wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     with pytest.MonkeyPatch.context() as patch:
-        for shapes in (tiny_checkpoints.TINY, w8a8_checkpoints.QQQ_TINY, marlin24_checkpoints.MARLIN24_TINY):
+        for shapes in (tiny.TINY, w8a8.QQQ_TINY, marlin24.MARLIN24_TINY):
             for key, value in wide.items():
                 patch.setitem(shapes, key, value)
         yield
@@ -147,7 +147,7 @@ def arch_folders(tmp_path_factory):
     make_checkpoint(folders["qwen2 kv=2"], "qwen2", seed=1)
     make_checkpoint(folders["qwen2 kv=1"], "qwen2", seed=2, num_key_value_heads=1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(tiny_checkpoints.TINY, "intermediate_size", 256)
+        patch.setitem(tiny.TINY, "intermediate_size", 256)
         make_arch_checkpoint(folders["phi3"], "phi3")
         make_arch_checkpoint(folders["gemma2"], "gemma2")
     return folders
@@ -277,7 +277,7 @@ def test_block_fp8_rows_that_split_a_block_take_that_blocks_scale(tmp_path, fami
     # dequantized weight must be its rows of tp=1's, exactly: only which grid row holds a block's
     # scale changes. (intermediate 192: the row-parallel down_proj splits on whole blocks of K.)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(tiny_checkpoints.TINY, "intermediate_size", 192)
+        patch.setitem(tiny.TINY, "intermediate_size", 192)
         make_fp8_checkpoint(tmp_path, family)
     whole = _dequantized_linears(_load_as_rank(tmp_path, 1))
     ranks = [_dequantized_linears(_load_as_rank(tmp_path, 2, rank=rank)) for rank in (0, 1)]
@@ -349,7 +349,7 @@ def test_a_failing_rank_makes_every_rank_exit_with_its_error(format_folders, tmp
     """Rank 1 gets a checkpoint with a tensor of the wrong shape; rank 0 would wait for it in its
     first collective. torchrun stops both and exits non-zero, with rank 1's error in the output."""
     bad = tmp_path / "bad"
-    tiny_checkpoints.edited_copy(format_folders["none"], bad, tensors=lambda state: state.update(
+    tiny.edited_copy(format_folders["none"], bad, tensors=lambda state: state.update(
         {"model.layers.1.mlp.up_proj.weight": torch.zeros(3, 3, dtype=torch.bfloat16)}))
     jobs = [job("faulty", format_folders["none"])]
     done = torchrun(jobs, tmp_path, env={"QRT_TP_TEST_BAD_RANK_PATH": str(bad)})

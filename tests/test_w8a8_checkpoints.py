@@ -12,14 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 import qrt.kernels.w4a8_triton  # noqa: F401  (registers the Triton op)
-from graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
+from helpers.checkpoints.tiny import edited_copy, random_ids
+from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint, make_qqq_checkpoint
+from helpers.compare import relative_l2
+from helpers.graph_checks import assert_every_linear_runs, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
-from qrt.kernels.w4a8_reference import w4a8_int8_weights
-from qrt.formats.compressed_tensors.int_w8a8 import merge_static_inputs
 from qrt.errors import CheckpointError, ConfigError, UnsupportedError
+from qrt.formats.compressed_tensors.int_w8a8 import merge_static_inputs
 from qrt.formats.qqq import QqqLinearMethod, qqq_config
-from tiny_checkpoints import edited_copy, relative_l2
-from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
+from qrt.kernels.w4a8_reference import w4a8_int8_weights
 
 # name -> (builder, words describe() shows)
 CASES = {
@@ -53,10 +54,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _ids(seed=0):
-    return torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
-
-
 def _eager(folder, **kwargs):
     return runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128, **kwargs)
 
@@ -70,12 +67,12 @@ def test_detected_and_matches_the_dequantized_model(name, checkpoints):
         for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
             assert linear.weight.dtype == torch.int8 and linear.weight.kernel == "qrt.int8_linear_cpu"
     with torch.no_grad():
-        error = relative_l2(eager(_ids()), reference(_ids()).logits)
+        error = relative_l2(eager(random_ids()), reference(random_ids()).logits)
     assert error < ACTIVATION_ROUNDING, error
 
 
 def _check_compiled(model, eager, reference_logits, logical="qrt.int8_linear"):
-    ids = _ids(3)
+    ids = random_ids(3)
     logits = model(ids)
     assert relative_l2(logits, reference_logits(ids)) < ACTIVATION_ROUNDING
     # The compiled CPU kernel equals its eager self bit for bit (test_w8a8_kernels), but returns

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 import qrt.kernels.int8_fused_triton  # noqa: F401  (registers the Triton ops)
 import qrt.kernels.int8_triton  # noqa: F401
 import qrt.kernels.w4a8_triton  # noqa: F401
-from kernel_checks import on_device, random_rows
+from helpers.compare import relative_l2
+from helpers.kernel_checks import on_device, random_rows
 from qrt.kernels.int8_fused_reference import rms_norm_quant_int8_reference, silu_mul_quant_int8_reference
 from qrt.kernels.int8_reference import (int8_linear_reference, quantize_activations_int8, quantize_rows_int8,
-                                    weight_row_sums)
+                                        weight_row_sums)
 from qrt.kernels.int8_triton import quantize_activations_int8_triton
 from qrt.kernels.int_reference import pack_rows, unpack_rows
 from qrt.kernels.w4a8_reference import w4a8_int8_weights, w4a8_linear_reference
-from tiny_checkpoints import relative_l2
 
 # activation scheme -> (input_scale, input_zero_point, asymmetric)
 SCHEMES = {

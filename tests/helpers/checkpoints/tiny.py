@@ -41,9 +41,9 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, dtype=torch.float32, s
     return model
 
 
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
+def random_ids(seed: int = 0, shape: tuple[int, ...] = (2, 16)) -> torch.Tensor:
+    """Token ids drawn uniformly from the tiny models' vocabulary, the same for the same seed."""
+    return torch.randint(0, TINY["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
 
 
 def edited_copy(folder: Path, copy: Path, *, config=None, tensors=None) -> Path:

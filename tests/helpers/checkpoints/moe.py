@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-import fp8_checkpoints as fp8
-from int_checkpoints import awq_tensors, ct_config, ct_tensors, gptq_tensors
-from kernel_checks import fp8_cpu_kernel
-from tiny_checkpoints import TINY
-from w8a8_checkpoints import _int8_weight, ct_w8a8_config
+from helpers.checkpoints import fp8
+from helpers.checkpoints.integer import awq_tensors, ct_config, ct_tensors, gptq_tensors
+from helpers.checkpoints.tiny import TINY
+from helpers.checkpoints.w8a8 import _int8_weight, ct_w8a8_config
+from helpers.kernel_checks import fp8_cpu_kernel
 
 ROUTER_SCALE = 8.0
 # Sigmoid routing (DeepSeek-V3) saturates when its logits are scaled up far, and saturated scores

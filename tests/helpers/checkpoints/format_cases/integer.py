@@ -1,8 +1,8 @@
 """Stored integer formats: GPTQ, AWQ, compressed-tensors weight-only, W8A8 and marlin-24, QQQ."""
 
-from int_checkpoints import ct_config, make_int_checkpoint
-from marlin24_checkpoints import make_marlin24_checkpoint
-from w8a8_checkpoints import make_ct_w8a8_checkpoint, make_qqq_checkpoint
+from helpers.checkpoints.integer import ct_config, make_int_checkpoint
+from helpers.checkpoints.marlin24 import make_marlin24_checkpoint
+from helpers.checkpoints.w8a8 import make_ct_w8a8_checkpoint, make_qqq_checkpoint
 
 from . import INT_CUDA, FormatCase
 

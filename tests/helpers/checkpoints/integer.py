@@ -5,6 +5,7 @@ Each builder quantizes every decoder linear the way its producer does, writes th
 and puts the dequantized weights back into the transformers model, so that model is the
 "dequantize, then run transformers" reference. Packing here is written independently of qrt's
 loaders (plain per-field loops over the rules of docs/formats.md), so a test compares two
+implementations.
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -1,8 +1,9 @@
 """Online formats (`quant=`) and the unquantized baseline, on the suite's tiny bf16 llama (shared
 with the other tests' compiled models)."""
 
+from helpers.kernel_checks import fp8_cpu_kernel
+
 from . import INT_CUDA, FormatCase
-from kernel_checks import fp8_cpu_kernel
 
 # The weight-only integer formats and online fp8 quantize lm_head to int8 per channel too.
 INT4_AND_INT8_LM_HEAD = frozenset({"qrt.int4pack_linear", "qrt.int8pack_linear"})

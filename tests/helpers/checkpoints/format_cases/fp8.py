@@ -1,9 +1,9 @@
 """Stored FP8 formats: HF fp8, ModelOpt (config and side file), compressed-tensors float-quantized."""
 
-from fp8_checkpoints import make_fp8_checkpoint
+from helpers.checkpoints.fp8 import make_fp8_checkpoint
+from helpers.kernel_checks import fp8_cpu_kernel
 
 from . import FormatCase
-from kernel_checks import fp8_cpu_kernel
 
 
 def _fp8(family: str, cpu: str, cuda: str) -> FormatCase:

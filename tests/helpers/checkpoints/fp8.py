@@ -7,7 +7,7 @@ import math
 import torch
 from safetensors.torch import save_file
 
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 
 FP8 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

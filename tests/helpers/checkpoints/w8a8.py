@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from int_checkpoints import LINEARS, to_int32
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.integer import LINEARS, to_int32
+from helpers.checkpoints.tiny import make_checkpoint, random_ids
 
 # QQQ needs output widths in multiples of 64 and K in multiples of 128 (group 128).
 QQQ_TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -33,7 +33,7 @@ def calibrate_inputs(model, seed: int = 7) -> dict:
                 ranges[name] = (min(low, float(x.min())), max(high, float(x.max())))
             hooks.append(module.register_forward_pre_hook(hook))
     with torch.no_grad():
-        model(torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(seed)))
+        model(random_ids(seed, (4, 32)))
     for hook in hooks:
         hook.remove()
     return ranges

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_checkpoints import TINY
+from helpers.checkpoints.tiny import TINY
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _GEMMA = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8)

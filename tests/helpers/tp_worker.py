@@ -1,7 +1,8 @@
-"""One rank of a tensor-parallel test run, started by torchrun (tests/test_tensor_parallel.py).
+"""One rank of a tensor-parallel test run, started by torchrun (tests/test_tensor_parallel.py,
+tests/test_producers.py).
 
-    torchrun --nproc-per-node 2 tests/tp_worker.py JOBS.json RESULTS.pt
-    python tests/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
+    torchrun --nproc-per-node 2 tests/helpers/tp_worker.py JOBS.json RESULTS.pt
+    python tests/helpers/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
 
 JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
 "ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "dtype", "may_refuse" (true: an UnsupportedError
@@ -19,13 +20,17 @@ import json
 import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from graph_checks import no_recompiles  # beside this script, which torchrun runs from tests/
 
 from qrt import runtime
 from qrt.errors import UnsupportedError
+
+# Run by path, this script has its own folder on sys.path; the helpers package is found from tests/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.graph_checks import no_recompiles  # noqa: E402
 
 
 def run(job: dict) -> dict:

@@ -4,7 +4,7 @@ llama.cpp's converter permutes them."""
 
 import numpy as np
 import torch
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.tiny import make_checkpoint
 
 from . import INT_CUDA, FormatCase
 

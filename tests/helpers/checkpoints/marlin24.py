@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from int_checkpoints import LINEARS, ct_config, pack_fields
-from tiny_checkpoints import make_checkpoint
+from helpers.checkpoints.integer import LINEARS, ct_config, pack_fields
+from helpers.checkpoints.tiny import make_checkpoint
 
 # Marlin-24 tiles need output widths in multiples of 64 and inputs in multiples of 32: hidden 128
 # (q 128, k/v 2 heads of 32 = 64), intermediate 384 (K / 2 = 192 > 128, so down_proj's group
