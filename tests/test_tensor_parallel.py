@@ -76,12 +76,13 @@ def run_sharded(jobs, folder) -> dict:
     return torch.load(folder / "results.pt")
 
 
-def job(name, path, quant=None, compile=False) -> dict:
-    return dict(name=name, path=str(path), quant=quant, compile=compile, ids=IDS, prompt=PROMPT, steps=STEPS)
+def job(name, path, quant=None, compile=False, dtype=None) -> dict:
+    return dict(name=name, path=str(path), quant=quant, compile=compile, ids=IDS, prompt=PROMPT, steps=STEPS,
+                dtype=dtype)
 
 
-def single_rank(path, quant=None, prompt=PROMPT):
-    model = runtime.compile_model(path, quant, compile=False, progress=False, max_seq_len=128)
+def single_rank(path, quant=None, prompt=PROMPT, dtype=None):
+    model = runtime.compile_model(path, quant, compile=False, progress=False, max_seq_len=128, dtype=dtype)
     with torch.no_grad():
         logits = model(torch.tensor(IDS))
     return logits, model.generate(prompt, max_new_tokens=STEPS, stop_at_eos=False)
@@ -123,7 +124,7 @@ ACTIVATIONS_ROUNDED_AT_RUN_TIME = {"stored:fp8": 0.08, "online:fp8": 0.08, "onli
 def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_folders, sharded):
     failures = []
     for name, folder in format_folders.items():
-        logits, tokens = single_rank(folder, CASES[name].quant)
+        logits, tokens = single_rank(folder, CASES[name].quant, dtype=CASES[name].dtype)
         got = sharded[name]
         error = relative_l2(got["logits"], logits)
         if name in ACTIVATIONS_ROUNDED_AT_RUN_TIME:
@@ -180,7 +181,8 @@ def sharded(format_folders, arch_folders, gptq_in_order_folders, llama_172mb, tm
     The memory test's model loads second: after a tiny model, which brings in what the first
     load imports, and before the others, while the peak RSS is still its own."""
     jobs = [job("none", format_folders["none"]), memory_job(llama_172mb)]
-    jobs += [job(name, folder, CASES[name].quant) for name, folder in format_folders.items() if name != "none"]
+    jobs += [job(name, folder, CASES[name].quant, dtype=CASES[name].dtype) for name, folder in format_folders.items()
+             if name != "none"]
     jobs += [job(name, folder) for name, folder in {**arch_folders, **gptq_in_order_folders}.items()]
     jobs.append(dict(job(COMPILED, format_folders["online:int4"], "int4", compile=True), forward=False,
                      prompt=ONE_TOKEN, again_prompt=[PROMPT[1]]))

@@ -104,11 +104,15 @@ class GgufTensor:
 
     @property
     def shape(self) -> tuple:
-        rows = tuple(int(d) for d in reversed(self._tensor.shape))  # GGUF lists dims innermost first
-        return (*rows[:-1], self._tensor.data.shape[-1]) if self.raw else rows
+        dims = tuple(int(d) for d in reversed(self._tensor.shape))  # GGUF lists dims innermost first
+        if not self.raw:
+            return dims
+        blocks, block_bytes = _block_grid(self._tensor)
+        return (*dims[:-1], blocks, block_bytes)
 
     def read(self, cuts=()) -> torch.Tensor:
-        """raw: the blocks, uint8 [N, bytes per row]; else the values in the model dtype."""
+        """raw: the blocks, uint8 [N, K / 32, bytes per block] (a rank's part of K is whole blocks);
+        else the values in the model dtype."""
         from gguf import dequantize
 
         data = self._tensor.data if self.raw else dequantize(self._tensor.data, self._tensor.tensor_type)
@@ -117,9 +121,16 @@ class GgufTensor:
         except ValueError as err:  # llama.cpp's q/k row order cannot be undone on these rows
             raise TensorMismatch(f"shape {list(self.shape)} does not hold the model's attention heads ({err})") from None
         tensor = torch.from_numpy(np.array(data, copy=True))  # the memory map is read-only
-        if not self.raw:
-            tensor = tensor.to(self._dtype)
+        tensor = tensor.reshape(self.shape) if self.raw else tensor.to(self._dtype)
         return cut_tensor(tensor, cuts) if cuts else tensor
+
+
+def _block_grid(tensor) -> tuple[int, int]:
+    """(blocks per row, bytes per block) of a quantized tensor."""
+    from gguf import GGML_QUANT_SIZES
+
+    weights_per_block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+    return int(tensor.shape[0]) // weights_per_block, block_bytes
 
 
 def read_gguf_tokenizer(path: Path):

@@ -31,6 +31,7 @@ from qrt.formats.int_weights import copy_ints, install_int_weights, remove_param
 from qrt.formats.registry import stored_format
 from qrt.formats.scheme import QuantScheme
 from qrt.layers.linear import LinearMethod, ShardLayout, check_shape, make_parameter
+from qrt.layers.tensor_parallel import DENSE_WEIGHT
 
 BLOCK = 32  # weights per block along K, for every type below
 # GGML type -> (bytes per block, bits of its codes)
@@ -47,7 +48,8 @@ class GgufConfig:
 
 
 def decode_blocks(blocks: torch.Tensor, ggml_type: str, k: int) -> IntWeights:
-    """A tensor's blocks, uint8 [N, K / 32 · block bytes], as IntWeights (q [K, N], groups of 32)."""
+    """A tensor's blocks, uint8 [N, K / 32, block bytes] (or [N, K / 32 · block bytes], as gguf-py
+    writes them), as IntWeights (q [K, N], groups of 32)."""
     size, bits = _BLOCKS[ggml_type]
     n = blocks.shape[0]
     grid = blocks.reshape(n, k // BLOCK, size)  # [N, K / 32, bytes]
@@ -74,11 +76,15 @@ def _dequantize(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """Blocks of any GGML type in fp32 [N, K], by gguf-py's dequantizer (llama.cpp's reference)."""
     from gguf import GGMLQuantizationType, dequantize
 
-    return torch.from_numpy(np.array(dequantize(blocks.numpy(), GGMLQuantizationType[ggml_type]), copy=True))
+    rows = blocks.reshape(blocks.shape[0], -1).numpy()  # [N, K / 32 · bytes], as gguf-py reads them
+    return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType[ggml_type]), copy=True))
 
 
 class GgufLinearMethod(LinearMethod):
     name = "gguf"
+    # Blocks [N, K / 32, bytes] and values [N, K] alike run along N and K: a row-parallel rank's
+    # part of K falls on whole blocks of 32 (checked from the shapes by the loader).
+    shard_rule = {"weight": DENSE_WEIGHT}
 
     def __init__(self, cfg: GgufConfig, module_names):
         super().__init__(cfg, module_names)
@@ -98,7 +104,7 @@ class GgufLinearMethod(LinearMethod):
             raise UnsupportedError(f"{self.module_names[0]}: {k} input channels do not fill whole GGUF blocks of {BLOCK}")
         size, _ = _BLOCKS[self.ggml_type]
         layer.weight = make_parameter(
-            torch.empty(n, k // BLOCK * size, dtype=torch.uint8),  # [N, K / 32 · block bytes]: the file's blocks
+            torch.empty(n, k // BLOCK, size, dtype=torch.uint8),  # [N, K / 32, block bytes]: the file's blocks
             weight_loader=partial(copy_ints, layout=layer.shard_layout, dtype=torch.uint8), output_dim=0,
             quant_format=self.name)
 
