@@ -35,8 +35,9 @@ def _config(path: Path):
         raise CheckpointError(path, None, f"cannot read the GGUF metadata ({err})") from None
 
 
-def read_gguf_config(path: Path) -> dict:
-    config = _config(path)
+def _hf_config(config, path: Path) -> dict:
+    """The Hugging Face config dict of a GGUF's transformers config, with the architecture qrt's
+    registry knows it by."""
     arch = _ARCHITECTURES.get(type(config).__name__)
     if arch is None:
         raise UnsupportedError(f"{path}: GGUF of model type {config.model_type!r} is not supported; "
@@ -47,13 +48,15 @@ def read_gguf_config(path: Path) -> dict:
 
 
 class GgufFile:
-    """One GGUF file's tensors under their Hugging Face names."""
+    """One GGUF file: its config and its tensors under their Hugging Face names. The metadata is
+    parsed once (seconds for a large vocabulary) and serves both."""
 
-    def __init__(self, path: Path, hf_config: dict):
+    def __init__(self, path: Path):
         from gguf import GGUFReader
 
         self.path = Path(path)
-        self.hf_config = hf_config
+        self.config = _config(self.path)  # transformers' config object
+        self.hf_config = _hf_config(self.config, self.path)
         try:
             self.reader = GGUFReader(str(self.path))
         except (ValueError, OSError) as err:
@@ -66,7 +69,7 @@ class GgufFile:
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
         with torch.device("meta"):  # only its parameter names are needed, not its memory
-            names_model = AutoModelForCausalLM.from_config(_config(self.path))
+            names_model = AutoModelForCausalLM.from_config(self.config)
         return get_gguf_hf_weights_map(names_model, self._processor)
 
     @cached_property

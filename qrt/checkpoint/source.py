@@ -41,14 +41,14 @@ class GgufCheckpoint:
     otherwise every tensor is dequantized to the model dtype as it loads."""
 
     def __init__(self, path: Path, keep_quantized: bool = True):
-        from qrt.checkpoint.gguf import GgufFile, read_gguf_config
+        from qrt.checkpoint.gguf import GgufFile
 
         self.path = Path(path)
         self.folder = self.path.parent
         self.config_path = self.path
         self.keep_quantized = keep_quantized
-        self.hf_config = read_gguf_config(self.path)
-        self.file = GgufFile(self.path, self.hf_config)
+        self.file = GgufFile(self.path)
+        self.hf_config = self.file.hf_config
         if keep_quantized:
             self.hf_config["quantization_config"] = {"quant_method": "gguf",
                                                      "tensor_types": self.file.tensor_types()}
