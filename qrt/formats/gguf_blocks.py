@@ -1,0 +1,144 @@
+"""The GGML block types qrt runs as stored, each decoded exactly into the neutral integer form
+(`IntWeights`) that every integer kernel packs from. Blocks run along K; a tensor's blocks arrive as
+uint8 [N, K / weights per block, bytes per block].
+
+| type | block (bytes) | weight | as IntWeights |
+|---|---|---|---|
+| Q4_0 | 32: d fp16, 16 bytes of 4-bit codes (18) | d · (q − 8) | 4-bit, g32, scale d, zero 8 |
+| Q4_1 | 32: d, m fp16, 16 bytes of 4-bit codes (20) | d · q + m | 4-bit, g32, scale d, zero −m / d |
+| Q8_0 | 32: d fp16, 32 int8 codes (34) | d · q | 8-bit, g32, q + 128, scale d, zero 128 |
+| Q4_K | 256: d, dmin fp16, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes (144) | d·sc · q − dmin·m per 32 | 4-bit, g32, scale d·sc, zero dmin·m / (d·sc) |
+| Q5_K | 256: as Q4_K, plus 32 bytes of fifth bits (176) | d·sc · q − dmin·m per 32 | 8-bit (codes < 32), g32, as Q4_K |
+| Q6_K | 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d fp16 (210) | d·sc · (q − 32) per 16 | 8-bit (codes < 64), g16, scale d·sc, zero 32 |
+
+The byte orders are ggml's (`block_q4_0` … `block_q6_K` in ggml-common.h); gguf-py's dequantizer,
+which reads the same bytes, is what the tests hold these decoders to. A group whose scale is 0
+but whose offset is not (a Q4_1 block with d = 0, a Q4_K/Q5_K sub-block with sc = 0) is that
+offset throughout: its codes become 1 with the offset as the scale and zero 0, the same weights.
+
+Q5_K and Q6_K codes are 5 and 6 bits wide; they are held in bytes, as 8-bit codes whose values
+stay below 32 or 64, so every 8-bit integer kernel runs them.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from qrt.kernels.int_reference import IntWeights
+
+# A decoder: blocks uint8 [N, B, bytes] -> (codes [N, B, weights per block], scales [N, B, groups
+# per block] fp32, offsets [N, B, groups per block] fp32), weight = scale · code + offset.
+Decoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BlockType:
+    name: str
+    weights: int  # weights per block along K
+    bytes: int  # bytes per block
+    bits: int  # width of the IntWeights codes (8 for the 5- and 6-bit codes, held in bytes)
+    group_size: int  # weights per scale
+    decode: Decoder
+
+
+def _fp16(grid: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block as fp32: grid uint8 [N, B, bytes] -> [N, B, 1]."""
+    return grid[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., R, 32] -> codes [..., 2 R, 32]: each run of 32 bytes holds one group of 32 in its
+    low nibbles and the next group in its high ones."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-2).flatten(-3, -2)
+
+
+def _q4_0(grid):
+    q = torch.cat([grid[..., 2:] & 0xF, grid[..., 2:] >> 4], dim=-1)  # [N, B, 32]: low nibbles first
+    d = _fp16(grid, 0)
+    return q, d, -8 * d
+
+
+def _q4_1(grid):
+    q = torch.cat([grid[..., 4:] & 0xF, grid[..., 4:] >> 4], dim=-1)  # [N, B, 32]
+    return q, _fp16(grid, 0), _fp16(grid, 2)
+
+
+def _q8_0(grid):
+    q = (grid[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # [N, B, 32]
+    d = _fp16(grid, 0)
+    return q, d, -128 * d
+
+
+def _k_scales(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit scales and mins of a Q4_K/Q5_K block's 8 groups, from its 12 bytes at 4..15:
+    bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; bytes 8-11 the low 4 bits of
+    scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of bytes
+    0-3 and 4-7. Returns fp32 [N, B, 8] each."""
+    packed = grid[..., 4:16].reshape(*grid.shape[:-1], 3, 4)  # [N, B, 3, 4]
+    lows, mins, highs = packed.unbind(-2)
+    scales = torch.cat([lows & 0x3F, (highs & 0xF) | ((lows >> 2) & 0x30)], dim=-1)
+    minimums = torch.cat([mins & 0x3F, (highs >> 4) | ((mins >> 2) & 0x30)], dim=-1)
+    return scales.float(), minimums.float()
+
+
+def _q4_k(grid):
+    sc, m = _k_scales(grid)
+    q = _nibbles(grid[..., 16:].reshape(*grid.shape[:-1], 4, 32)).flatten(-2)  # [N, B, 256]
+    return q, _fp16(grid, 0) * sc, -_fp16(grid, 2) * m
+
+
+def _q5_k(grid):
+    sc, m = _k_scales(grid)
+    low = _nibbles(grid[..., 48:].reshape(*grid.shape[:-1], 4, 32))  # [N, B, 8, 32]
+    high_bits = grid[..., 16:48].unsqueeze(-2)  # [N, B, 1, 32]: bit g of byte l is weight l of group g's
+    shifts = torch.arange(8, dtype=torch.uint8)
+    high = (high_bits >> shifts[:, None]) & 1  # [N, B, 8, 32]
+    q = (low | (high << 4)).flatten(-2)  # [N, B, 256], values < 32
+    return q, _fp16(grid, 0) * sc, -_fp16(grid, 2) * m
+
+
+def _q6_k(grid):
+    lead = grid.shape[:-1]
+    # Low nibbles: two halves of 128 weights, each 64 bytes whose low nibbles are weights 0-63 of
+    # the half and high nibbles 64-127. High pairs: 32 bytes a half, bits 2t..2t+1 of byte l
+    # completing weight 32 t + l of the half.
+    halves = grid[..., :128].reshape(*lead, 2, 2, 32)  # [N, B, half, 32-byte run, 32]
+    low = torch.stack([halves & 0xF, halves >> 4], dim=-3).flatten(-3, -2)  # [N, B, 2, 4 (nibble, run), 32]
+    pairs = grid[..., 128:192].reshape(*lead, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    high = (pairs >> shifts[:, None]) & 3  # [N, B, 2, 4, 32]
+    q = (low | (high << 4)).flatten(-3)  # [N, B, 256], values < 64
+    d = _fp16(grid, 208)
+    scales = d * grid[..., 192:208].contiguous().view(torch.int8).float()  # [N, B, 16]
+    return q, scales, -32 * scales
+
+
+BLOCK_TYPES = {t.name: t for t in (
+    BlockType("Q4_0", 32, 18, 4, 32, _q4_0),
+    BlockType("Q4_1", 32, 20, 4, 32, _q4_1),
+    BlockType("Q8_0", 32, 34, 8, 32, _q8_0),
+    BlockType("Q4_K", 256, 144, 4, 32, _q4_k),
+    BlockType("Q5_K", 256, 176, 8, 32, _q5_k),
+    BlockType("Q6_K", 256, 210, 8, 16, _q6_k),
+)}
+
+
+def decode_blocks(blocks: torch.Tensor, ggml_type: str, k: int) -> IntWeights:
+    """A tensor's blocks, uint8 [N, K / weights, bytes] (or [N, K / weights · bytes], as gguf-py
+    writes them), as IntWeights (q [K, N])."""
+    kind = BLOCK_TYPES[ggml_type]
+    n = blocks.shape[0]
+    grid = blocks.reshape(n, k // kind.weights, kind.bytes)  # [N, B, bytes]
+    q, scales, offsets = kind.decode(grid)
+    groups = k // kind.group_size
+    q, scales, offsets = q.reshape(n, k), scales.reshape(n, groups), offsets.reshape(n, groups)
+    # scale · q + offset = scale · (q − zero) with zero = −offset / scale; a group of scale 0 is its
+    # offset throughout: codes 1, scale offset, zero 0.
+    flat = scales == 0
+    by_group = flat.repeat_interleave(kind.group_size, dim=1)  # [N, K]
+    q = torch.where(by_group & (offsets != 0).repeat_interleave(kind.group_size, dim=1), torch.ones_like(q), q)
+    zeros = torch.where(flat, torch.zeros_like(scales), -offsets / torch.where(flat, torch.ones_like(scales), scales))
+    scales = torch.where(flat, offsets, scales)
+    return IntWeights(q.t().contiguous(), scales.t().contiguous(), zeros.t().contiguous(), kind.bits,
+                      kind.group_size)
