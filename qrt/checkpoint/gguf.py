@@ -21,11 +21,12 @@ from qrt.layers.tensor_parallel import cut_tensor
 
 # transformers config class -> the HF architecture name qrt's registry knows it by.
 _ARCHITECTURES = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM"}
-# The GGML types qrt runs as stored (formats/gguf_blocks.py decodes each): 4-bit codes with a scale
-# (Q4_0) or a scale and an offset (Q4_1) per 32 weights, 8-bit codes with a scale per 32 (Q8_0),
+# The GGML types qrt runs as stored (formats/gguf_blocks.py decodes each): 4- and 5-bit codes with a
+# scale (Q4_0, Q5_0) or a scale and an offset (Q4_1, Q5_1) per 32 weights, 8-bit codes with a scale
+# per 32 (Q8_0),
 # and the K-quants' super-blocks of 256: 4- and 5-bit codes with a scale and a min per 32 (Q4_K,
 # Q5_K), 6-bit codes with a scale per 16 (Q6_K).
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _config(path: Path):

@@ -2,13 +2,15 @@
 as stored (checkpoint/gguf.py gives its config a `quantization_config` with each tensor's GGML
 type).
 
-The types in `gguf_blocks.BLOCK_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are decoded, exactly,
+The types in `gguf_blocks.BLOCK_TYPES` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are decoded, exactly,
 into the neutral integer form (`IntWeights`) that every integer kernel packs from, and run on the
-kernel chosen for its width and group. Every other type (F16, the other K-quants) arrives
-dequantized to the model dtype and runs as a dense layer, as does a fused layer whose shards
-differ in type.
+kernel chosen for its width and group; a fused layer whose shards are stored in different ones of
+them runs as one, at the widest codes and finest groups among them. Every other type (F16, the
+other K-quants) arrives dequantized to the model dtype and runs as a dense layer, as does a fused
+layer with a shard in one.
 """
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from qrt.kernels.choices import choose
+from qrt.kernels.int_reference import IntWeights
 
 from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.formats.gguf_blocks import BLOCK_TYPES, decode_blocks
@@ -45,6 +48,15 @@ def _dequantize(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
 
 
 class GgufLinearMethod(LinearMethod):
+    """One linear layer of a GGUF file, in one of three forms chosen from its shards' types:
+
+    - blocks: every shard in one kept type; the file's blocks are held as read and decoded once,
+      after loading (the fewest bytes in memory while the model loads);
+    - codes: shards in different kept types (llama.cpp's mixes store v, or down, in a wider type
+      than q and k); each shard is decoded as it loads into codes of the widest width and scales
+      of the finest group among them (a coarser group's scale repeated: exact);
+    - dense: any shard in another type; values dequantized by gguf-py as they load."""
+
     name = "gguf"
     # Blocks [N, K / weights, bytes] and values [N, K] alike run along N and K: a row-parallel
     # rank's part of K falls on whole blocks (checked from the shapes by the loader).
@@ -52,29 +64,56 @@ class GgufLinearMethod(LinearMethod):
 
     def __init__(self, cfg: GgufConfig, module_names):
         super().__init__(cfg, module_names)
-        types = cfg.types_of(self.module_names)
-        # Run as stored: every shard in one type of its own layout here.
-        self.ggml_type = types[0] if len(set(types)) == 1 and types[0] in BLOCK_TYPES else None
-        self.types = types
+        self.types = cfg.types_of(self.module_names)
+        kinds = [BLOCK_TYPES.get(t) for t in self.types]
+        self.kinds = kinds if all(kinds) else None  # None: dense
+        self.ggml_type = self.types[0] if self.kinds and len(set(self.types)) == 1 else None  # blocks form
+        if self.kinds:
+            self.bits = max(kind.bits for kind in self.kinds)
+            self.group_size = math.gcd(*(kind.group_size for kind in self.kinds))
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size
-        if self.ggml_type is None:
+        if self.kinds is None:
             layer.weight = make_parameter(
                 torch.empty(n, k, dtype=dtype),  # [N, K], dequantized as it streams in
                 weight_loader=partial(self._load_dense, layer=layer), input_dim=1, output_dim=0, quant_format=self.name)
             return
-        kind = BLOCK_TYPES[self.ggml_type]
-        if k % kind.weights:
-            raise UnsupportedError(f"{self.module_names[0]}: {k} input channels do not fill whole {kind.name} blocks "
-                                   f"of {kind.weights}")
+        for kind in self.kinds:
+            if k % kind.weights:
+                raise UnsupportedError(f"{self.module_names[0]}: {k} input channels do not fill whole {kind.name} "
+                                       f"blocks of {kind.weights}")
+        if self.ggml_type is not None:
+            kind = self.kinds[0]
+            layer.weight = make_parameter(
+                torch.empty(n, k // kind.weights, kind.bytes, dtype=torch.uint8),  # [N, K / weights, bytes]: the blocks
+                weight_loader=partial(copy_ints, layout=layer.shard_layout, dtype=torch.uint8), output_dim=0,
+                quant_format=self.name)
+            return
         layer.weight = make_parameter(
-            torch.empty(n, k // kind.weights, kind.bytes, dtype=torch.uint8),  # [N, K / weights, bytes]: the file's blocks
-            weight_loader=partial(copy_ints, layout=layer.shard_layout, dtype=torch.uint8), output_dim=0,
-            quant_format=self.name)
+            torch.empty(n, k, dtype=torch.uint8),  # [N, K] codes, decoded shard by shard
+            weight_loader=partial(self._load_codes, layer=layer), input_dim=1, output_dim=0, quant_format=self.name)
+
+    def _load_codes(self, param, loaded: torch.Tensor, shard_id, *, layer) -> None:
+        """One shard's blocks of a layer of mixed kept types, decoded into the common codes and groups."""
+        shards: ShardLayout = layer.shard_layout
+        ggml_type = self.types[shards.shard_ids.index(shard_id)]
+        rows = shards.rows(param.data, shard_id)  # [n, K]
+        if loaded.dtype != torch.uint8 or loaded.shape[0] != rows.shape[0]:
+            raise TensorMismatch(f"shape {list(loaded.shape)} {loaded.dtype}, expected {ggml_type} blocks of "
+                                 f"{rows.shape[0]} rows")
+        weights = decode_blocks(loaded, ggml_type, layer.input_size)
+        repeat = weights.group_size // self.group_size
+        rows.copy_(weights.q.t())
+        if getattr(layer, "gguf_groups", None) is None:  # made with the first shard, where the codes live
+            layer.gguf_groups = param.new_empty(param.shape[0], layer.input_size // self.group_size, 2,
+                                                dtype=torch.float32)  # [N, K / G, (scale, zero)]
+        groups = shards.rows(layer.gguf_groups, shard_id)  # [n, K / G, 2]
+        groups[..., 0] = weights.scales.t().repeat_interleave(repeat, dim=1)
+        groups[..., 1] = weights.zeros.t().repeat_interleave(repeat, dim=1)
 
     def _load_dense(self, param, loaded: torch.Tensor, shard_id, *, layer) -> None:
-        """A dense layer's shard: values, or blocks of a kept type (a fused layer of mixed types)."""
+        """A dense layer's shard: values, or blocks (a fused layer with a shard of another type)."""
         shards: ShardLayout | None = layer.shard_layout
         if loaded.dtype == torch.uint8:
             index = 0 if shards is None else shards.shard_ids.index(shard_id)
@@ -86,24 +125,29 @@ class GgufLinearMethod(LinearMethod):
         rows.copy_(loaded)
 
     def process_after_loading(self, layer, device: torch.device) -> None:
-        if self.ggml_type is None:
+        stored = "/".join(sorted(set(self.types)))
+        if self.kinds is None:
             kernel = choose("aten.linear", device.type)
-            stored = "/".join(sorted(set(self.types)))
             layer.weight.storage_layout = f"{str(layer.weight.dtype).removeprefix('torch.')} [N, K] dequantized from {stored}"
             layer.weight.kernel, self.layout = kernel.op, kernel.layout
             return
-        weights = decode_blocks(layer.weight.data, self.ggml_type, layer.input_size)
+        if self.ggml_type is not None:
+            weights = decode_blocks(layer.weight.data, self.ggml_type, layer.input_size)
+        else:
+            groups = layer.gguf_groups
+            weights = IntWeights(layer.weight.data.t().contiguous(), groups[..., 0].t().contiguous(),
+                                 groups[..., 1].t().contiguous(), self.bits, self.group_size)
+            del layer.gguf_groups
         remove_parameters(layer, "weight")
-        self.layout = install_int_weights(layer, weights, device, f"GGUF {self.ggml_type}")
+        self.layout = install_int_weights(layer, weights, device, f"GGUF {stored}")
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.ggml_type is None:
+        if self.kinds is None:
             return self.layout.linear(layer, x)
-        kind = BLOCK_TYPES[self.ggml_type]
-        return self.layout.linear(layer, x, kind.bits, kind.group_size)
+        return self.layout.linear(layer, x, self.bits, self.group_size)
 
 
-@stored_format("gguf", summary="llama.cpp GGUF run as stored: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K decoded "
+@stored_format("gguf", summary="llama.cpp GGUF run as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K decoded "
                                "exactly for qrt's integer kernels, other types dequantized (`quant=\"none\"`: all dequantized)",
                detected_from="a `.gguf` file loaded with `quant=None`")
 def gguf_scheme(config: dict, source) -> QuantScheme:

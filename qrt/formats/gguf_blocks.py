@@ -6,6 +6,8 @@ uint8 [N, K / weights per block, bytes per block].
 |---|---|---|---|
 | Q4_0 | 32: d fp16, 16 bytes of 4-bit codes (18) | d · (q − 8) | 4-bit, g32, scale d, zero 8 |
 | Q4_1 | 32: d, m fp16, 16 bytes of 4-bit codes (20) | d · q + m | 4-bit, g32, scale d, zero −m / d |
+| Q5_0 | 32: d fp16, 4 bytes of fifth bits, 16 bytes of 4-bit codes (22) | d · (q − 16) | 8-bit (codes < 32), g32, scale d, zero 16 |
+| Q5_1 | 32: d, m fp16, fifth bits, 4-bit codes (24) | d · q + m | 8-bit (codes < 32), g32, scale d, zero −m / d |
 | Q8_0 | 32: d fp16, 32 int8 codes (34) | d · q | 8-bit, g32, q + 128, scale d, zero 128 |
 | Q4_K | 256: d, dmin fp16, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes (144) | d·sc · q − dmin·m per 32 | 4-bit, g32, scale d·sc, zero dmin·m / (d·sc) |
 | Q5_K | 256: as Q4_K, plus 32 bytes of fifth bits (176) | d·sc · q − dmin·m per 32 | 8-bit (codes < 32), g32, as Q4_K |
@@ -16,7 +18,7 @@ which reads the same bytes, is what the tests hold these decoders to. A group wh
 but whose offset is not (a Q4_1 block with d = 0, a Q4_K/Q5_K sub-block with sc = 0) is that
 offset throughout: its codes become 1 with the offset as the scale and zero 0, the same weights.
 
-Q5_K and Q6_K codes are 5 and 6 bits wide; they are held in bytes, as 8-bit codes whose values
+Q5_0, Q5_1, Q5_K and Q6_K codes are 5 and 6 bits wide; they are held in bytes, as 8-bit codes whose values
 stay below 32 or 64, so every 8-bit integer kernel runs them.
 """
 
@@ -61,6 +63,25 @@ def _q4_0(grid):
 
 def _q4_1(grid):
     q = torch.cat([grid[..., 4:] & 0xF, grid[..., 4:] >> 4], dim=-1)  # [N, B, 32]
+    return q, _fp16(grid, 0), _fp16(grid, 2)
+
+
+def _fifth_bits(grid: torch.Tensor, at: int) -> torch.Tensor:
+    """Bit j of the little-endian 32-bit word at byte `at` of every block, for j = 0..31: the fifth
+    bit of element j of a Q5_0/Q5_1 block. grid [N, B, bytes] -> uint8 [N, B, 32]."""
+    word = grid[..., at:at + 4].unsqueeze(-1)  # [N, B, 4 bytes, 1]
+    bits = (word >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, B, 4, 8]: byte b's bit i is bit 8 b + i
+    return bits.flatten(-2)
+
+
+def _q5_0(grid):
+    q = torch.cat([grid[..., 6:] & 0xF, grid[..., 6:] >> 4], dim=-1) | (_fifth_bits(grid, 2) << 4)  # [N, B, 32]
+    d = _fp16(grid, 0)
+    return q, d, -16 * d
+
+
+def _q5_1(grid):
+    q = torch.cat([grid[..., 8:] & 0xF, grid[..., 8:] >> 4], dim=-1) | (_fifth_bits(grid, 4) << 4)  # [N, B, 32]
     return q, _fp16(grid, 0), _fp16(grid, 2)
 
 
@@ -117,6 +138,8 @@ def _q6_k(grid):
 BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q4_0", 32, 18, 4, 32, _q4_0),
     BlockType("Q4_1", 32, 20, 4, 32, _q4_1),
+    BlockType("Q5_0", 32, 22, 8, 32, _q5_0),
+    BlockType("Q5_1", 32, 24, 8, 32, _q5_1),
     BlockType("Q8_0", 32, 34, 8, 32, _q8_0),
     BlockType("Q4_K", 256, 144, 4, 32, _q4_k),
     BlockType("Q5_K", 256, 176, 8, 32, _q5_k),
