@@ -6,6 +6,7 @@ on one checkpoint, in one run.
         --threads 2 --json out.json
     python -m bench.decode --runs 1 --new-tokens 4 --prompt-tokens 8 --quant bf16 --skip-hf  # smoke
     python -m bench.decode --checkpoint hf-fp8=/tmp/smol-fp8   # also a pre-quantized copy, as stored
+    python -m bench.decode --checkpoint q4_1=path/to/model.Q4_1.gguf   # a GGUF file, in its own quantization
                                                               # (made by bench/tools/export_fp8.py)
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows 2-thread decode by several
@@ -28,7 +29,7 @@ Figures:
   a sample, and nothing of the prefill.
 - Each figure is the median of --runs timed runs, after one untimed warm-up run, with [min–max].
 - ×HF: decode tok/s over transformers eager's; ×bf16: each fp8 variant over qrt bf16.
-- --checkpoint NAME=PATH adds a pre-quantized copy of the same model, loaded as stored
+- --checkpoint NAME=PATH adds a pre-quantized copy of the same model (a folder or a GGUF file), loaded as stored
   ("qrt NAME (stored)"); it should be the same model, or the comparison means nothing.
 """
 
@@ -70,8 +71,8 @@ def parse_args() -> argparse.Namespace:
 
 def named_path(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
-    if not sep or not name or not Path(path).is_dir():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a checkpoint folder, got {text!r}")
+    if not sep or not name or not (Path(path).is_dir() or (Path(path).is_file() and path.endswith(".gguf"))):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a checkpoint folder or a .gguf file, got {text!r}")
     return name, Path(path)
 
 
