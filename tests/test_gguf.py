@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers.checkpoints.format_cases.gguf import K_QUANTS, random_k_blocks, write_gguf_llama
+from helpers.checkpoints.format_cases.gguf import K_QUANTS, random_k_blocks, write_gguf
 from helpers.compare import relative_l2
 
 from qrt import runtime
@@ -115,7 +115,7 @@ def test_every_kept_type_has_a_decoder():
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gguf")
-    write_gguf_llama(folder)
+    write_gguf(folder)
     return folder / "model.gguf"
 
 
@@ -134,7 +134,7 @@ def test_run_as_stored_it_computes_what_the_dequantized_file_does(tiny_gguf):
 def test_k_quants_run_as_stored_and_compute_what_the_dequantized_file_does(tmp_path):
     types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_K", "ffn_gate": "Q6_K",
              "ffn_up": "Q6_K", "ffn_down": "Q4_K"}
-    write_gguf_llama(tmp_path, types=types, hidden_size=256, intermediate_size=512)  # K: whole super-blocks
+    write_gguf(tmp_path, types=types, hidden_size=256, intermediate_size=512)  # K: whole super-blocks
     path = tmp_path / "model.gguf"
     stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
     dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
@@ -151,7 +151,7 @@ def test_a_fused_layer_of_mixed_kept_types_runs_as_one_quantized_layer(tmp_path)
     # q, k in Q4_K and v in Q6_K (as llama.cpp's Q4_K_M mix stores them): one fused layer of 8-bit
     # codes in groups of 16; gate in Q4_0 and up in Q5_1: 8-bit codes in groups of 32.
     types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "ffn_gate": "Q4_0", "ffn_up": "Q5_1"}
-    write_gguf_llama(tmp_path, types=types, hidden_size=256, intermediate_size=512)
+    write_gguf(tmp_path, types=types, hidden_size=256, intermediate_size=512)
     path = tmp_path / "model.gguf"
     stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
     dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
@@ -164,7 +164,7 @@ def test_a_fused_layer_of_mixed_kept_types_runs_as_one_quantized_layer(tmp_path)
 
 
 def test_a_fused_layer_with_a_shard_of_another_type_runs_dense(tmp_path):
-    write_gguf_llama(tmp_path, types={"attn_v": "F32"})  # q, k in Q4_0 and v unquantized: one fused layer
+    write_gguf(tmp_path, types={"attn_v": "F32"})  # q, k in Q4_0 and v unquantized: one fused layer
     path = tmp_path / "model.gguf"
     stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
     dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
@@ -174,12 +174,28 @@ def test_a_fused_layer_with_a_shard_of_another_type_runs_dense(tmp_path):
     assert relative_l2(stored(ids), dense(ids)) < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # llama.cpp writes Mistral as llama
+def test_each_architecture_runs_from_gguf_like_transformers(tmp_path, arch):
+    """The GGUF's config, names and row order against transformers' model of the same weights: the
+    file holds the HF model's weights in F32 and Q8_0 (the output layer), run dequantized in float32."""
+    hf = write_gguf(tmp_path, arch, types=dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                            "ffn_up", "ffn_down"), "F32"), seed=3)
+    model = runtime.compile_model(tmp_path / "model.gguf", "none", compile=False, progress=False, dtype="float32")
+    assert type(model.model).__name__ == hf.config.architectures[0]
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(
+            hf.lm_head.weight.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)))
+        expected = hf(ids).logits
+    assert relative_l2(model(ids), expected) < 1e-5
+
+
 def test_a_missing_or_misshapen_gguf_tensor_is_named(tmp_path):
     import gguf as gguf_py
 
     source = tmp_path / "source"
     source.mkdir()
-    write_gguf_llama(source)
+    write_gguf(source)
     reader = gguf_py.GGUFReader(str(source / "model.gguf"))
 
     def copy(name, edit):

@@ -19,8 +19,6 @@ import torch
 from qrt.errors import CheckpointError, TensorMismatch, UnsupportedError
 from qrt.layers.tensor_parallel import cut_tensor
 
-# transformers config class -> the HF architecture name qrt's registry knows it by.
-_ARCHITECTURES = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM"}
 # The GGML types qrt runs as stored (formats/gguf_blocks.py decodes each): 4- and 5-bit codes with a
 # scale (Q4_0, Q5_0) or a scale and an offset (Q4_1, Q5_1) per 32 weights, 8-bit codes with a scale
 # per 32 (Q8_0),
@@ -40,11 +38,14 @@ def _config(path: Path):
 
 def _hf_config(config, path: Path) -> dict:
     """The Hugging Face config dict of a GGUF's transformers config, with the architecture qrt's
-    registry knows it by."""
-    arch = _ARCHITECTURES.get(type(config).__name__)
+    registry knows it by: transformers' causal-LM class for the model type, where qrt runs it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # Whether qrt runs it is the model registry's to say, with the list of what it runs.
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if arch is None:
-        raise UnsupportedError(f"{path}: GGUF of model type {config.model_type!r} is not supported; "
-                               f"supported: {', '.join(sorted(_ARCHITECTURES.values()))}")
+        raise UnsupportedError(f"{path}: a GGUF of model type {config.model_type!r}, which is not a causal language "
+                               f"model transformers knows")
     hf_config = config.to_dict()
     hf_config["architectures"] = [arch]
     return hf_config
@@ -90,14 +91,17 @@ class GgufFile:
     def tensors(self, dtype: torch.dtype, keep_quantized: bool) -> list:
         """(Hugging Face name, GgufTensor) of every tensor qrt loads, read when the loader asks."""
         loaded = [(self._names[t.name], t) for t in self.reader.tensors if t.name in self._names]
-        return [(name, GgufTensor(t, self._processor, dtype, keep_quantized and runs_as_stored(name, t.tensor_type.name)))
+        return [(name, GgufTensor(t, self._processor, dtype,
+                                  keep_quantized and runs_as_stored(name, t.tensor_type.name, len(t.shape))))
                 for name, t in loaded]
 
 
-def runs_as_stored(name: str, ggml_type: str) -> bool:
+def runs_as_stored(name: str, ggml_type: str, dims: int) -> bool:
     """Whether tensor `name` of `ggml_type` is handed over as its blocks: a linear layer's weight
-    of a kept type. The token embedding is looked up by rows, so it is dequantized."""
-    return ggml_type in KEPT_TYPES and name.endswith(".weight") and not name.endswith("embed_tokens.weight")
+    [N, K] of a kept type. The token embedding is looked up by rows, and the experts of a
+    mixture-of-experts layer ([E, N, K]) load through their own layer: both are dequantized."""
+    return (ggml_type in KEPT_TYPES and dims == 2 and name.endswith(".weight")
+            and not name.endswith("embed_tokens.weight"))
 
 
 class GgufTensor:

@@ -22,12 +22,13 @@ TINY = dict(
 
 def make_checkpoint(folder: Path, arch: str = "llama", *, dtype=torch.float32, seed: int = 0,
                     tie: bool = False, **overrides):
-    """Write a tiny random `arch` ("llama" | "qwen2") checkpoint into `folder`; return the HF model."""
+    """Write a tiny random `arch` ("llama" | "qwen2" | "qwen3") checkpoint into `folder`; return the HF model."""
     import transformers
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     config = config_cls(**{**TINY, "tie_word_embeddings": tie, **overrides})
     torch.manual_seed(seed)

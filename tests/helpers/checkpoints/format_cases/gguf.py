@@ -44,28 +44,41 @@ def random_k_blocks(ggml_type: str, rows: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed: int = 0, **sizes):
-    """A tiny Llama as `folder`/model.gguf; returns the HF model it was made from (float32).
-    types: GGUF linear name -> GGML type (default _LINEARS'); sizes: config overrides (the
-    K-quants need input sizes that are multiples of 256)."""
+def _metadata(writer, arch: str, config) -> None:
+    """The `{arch}.*` keys transformers reads a config from (its GGUF_CONFIG_MAPPING), from `config`."""
+    import gguf
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    for key, attribute in GGUF_CONFIG_MAPPING[arch].items():
+        value = config.rope_parameters["rope_theta"] if attribute == "rope_theta" else getattr(config, attribute or "", None)
+        if value is None:
+            continue
+        kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+        writer.add_key_value(f"{arch}.{key}", value, kind)
+
+
+def _gguf_names(model, arch: str) -> dict[str, str]:
+    """Hugging Face tensor name -> GGUF name, by transformers' own map (the one qrt reads with)."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    return {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor(), model_type=arch).items()}
+
+
+def write_gguf(folder, arch: str = "llama", types: dict | None = None, tie: bool = False, seed: int = 0, **sizes):
+    """A tiny `arch` model (llama, qwen2, qwen3; llama.cpp writes Mistral as llama) as `folder`/model.gguf; returns the HF
+    model it was made from (float32). types: GGUF linear name ("attn_q", ...) -> GGML type (default
+    _LINEARS'); sizes: config overrides (the K-quants need input sizes that are multiples of 256).
+    Norms and embeddings are F32, the output layer Q8_0; llama has its q and k rows
+    permuted as llama.cpp's converter does."""
     import gguf
 
-    hf_dir = folder / "hf"
-    model = make_checkpoint(hf_dir, "llama", seed=seed, tie=tie, **sizes)
+    model = make_checkpoint(folder / "hf", arch, seed=seed, tie=tie, **sizes)
     cfg = model.config
-    writer = gguf.GGUFWriter(str(folder / "model.gguf"), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    state = {name: t.float().numpy() for name, t in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), arch)
+    _metadata(writer, arch, cfg)
+    linear_types = {short: default for short, (_, default) in _LINEARS.items()} | (types or {})
 
-    def add(name, array, ggml_type="F32"):
+    def add(name, array, ggml_type):
         if ggml_type == "F32":
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         elif ggml_type in K_QUANTS:
@@ -75,21 +88,17 @@ def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed:
             kind = gguf.GGMLQuantizationType[ggml_type]
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
 
-    add("token_embd.weight", state["model.embed_tokens.weight"])
-    add("output_norm.weight", state["model.norm.weight"])
-    if not tie:
-        add("output.weight", state["lm_head.weight"], "Q8_0")
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", state[prefix + "input_layernorm.weight"])
-        add(f"blk.{i}.ffn_norm.weight", state[prefix + "post_attention_layernorm.weight"])
-        for short, (hf_name, default_type) in _LINEARS.items():
-            weight = state[prefix + hf_name + ".weight"]
-            if short == "attn_q":
-                weight = llama_cpp_permute(weight, cfg.num_attention_heads)
-            elif short == "attn_k":
-                weight = llama_cpp_permute(weight, cfg.num_key_value_heads)
-            add(f"blk.{i}.{short}.weight", weight, (types or {}).get(short, default_type))
+    names = _gguf_names(model, arch)
+    for hf_name, tensor in model.state_dict().items():
+        if tie and hf_name == "lm_head.weight":
+            continue
+        name, array = names[hf_name], tensor.float().numpy()
+        short = name.split(".")[-2]  # attn_q, ffn_down, output, token_embd, ...
+        if arch == "llama" and short in ("attn_q", "attn_k") and array.ndim == 2:
+            heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        ggml_type = "F32" if array.ndim == 1 else "Q8_0" if short == "output" else linear_types.get(short, "F32")
+        add(name, array, ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -98,7 +107,7 @@ def write_gguf_llama(folder, types: dict | None = None, tie: bool = False, seed:
 
 
 def _case(folder) -> None:
-    write_gguf_llama(folder)
+    write_gguf(folder)
     # The model is the GGUF alone: no config.json beside it.
     for path in sorted((folder / "hf").iterdir()):
         path.unlink()
