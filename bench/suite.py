@@ -304,8 +304,7 @@ def print_same_file_ratios(rows: list[dict], batch: str) -> None:
     pairs = [(ours, theirs) for ours, theirs in pairs if theirs is not None]
     if not pairs:
         return
-    print(f"
-the same GGUF file (decode b{batch}, medians of this run)")
+    print(f"\nthe same GGUF file (decode b{batch}, medians of this run)")
     print_table(("file", "qrt tok/s", "llama.cpp tok/s", "qrt / llama.cpp"), [(
         ours["format"].removeprefix("gguf "), _fmt(_median(ours["decode_tok_s"][batch])),
         _fmt(_median(theirs["decode_tok_s"][batch])),
