@@ -163,6 +163,18 @@ def test_a_fused_layer_of_mixed_kept_types_runs_as_one_quantized_layer(tmp_path)
     assert relative_l2(stored(ids), dense(ids)) < 1e-5
 
 
+def test_a_tied_output_layer_runs_from_the_embeddings_blocks(tmp_path):
+    write_gguf(tmp_path, types={"token_embd": "Q8_0"}, tie=True)  # no output.weight: the embedding is the output
+    path = tmp_path / "model.gguf"
+    stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
+    dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
+    assert stored.model.lm_head.quant_method.ggml_type == "Q8_0"  # codes, not a dense copy
+    assert stored.model.model.embed_tokens.weight.dtype == torch.float32  # looked up by rows: dequantized
+    assert dense.model.lm_head.weight is dense.model.model.embed_tokens.weight  # asked dense: still tied
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    assert relative_l2(stored(ids), dense(ids)) < 1e-5
+
+
 def test_a_fused_layer_with_a_shard_of_another_type_runs_dense(tmp_path):
     write_gguf(tmp_path, types={"attn_v": "F32"})  # q, k in Q4_0 and v unquantized: one fused layer
     path = tmp_path / "model.gguf"
@@ -231,5 +243,7 @@ def test_the_default_models_gguf_runs_in_q4_1_close_to_its_dequantized_weights()
     dense = runtime.compile_model(_gguf_path(), "none", compile=False, progress=False, max_seq_len=64)
     layers = [m for m in stored.model.modules() if getattr(m, "quant_method", None) is not None
               and m.quant_method.name == "gguf"]
-    assert len(layers) == 30 * 4 and all(m.weight.kernel == "qrt.int4pack_linear" for m in layers)
+    assert len(layers) == 30 * 4 + 1  # every linear, and the tied output layer from the Q8_0 embedding
+    assert all(m.weight.kernel == "qrt.int4pack_linear" for m in layers if m.quant_method.ggml_type == "Q4_1")
+    assert stored.model.lm_head.quant_method.ggml_type == "Q8_0"
     assert relative_l2(stored(ids), dense(ids)) < 0.04  # the bound for bf16 compute

@@ -50,6 +50,7 @@ class GgufCheckpoint:
         self.file = GgufFile(self.path)
         self.hf_config = self.file.hf_config
         if keep_quantized:
+            self.file.untie_quantized_output()
             self.hf_config["quantization_config"] = {"quant_method": "gguf",
                                                      "tensor_types": self.file.tensor_types()}
 
