@@ -26,7 +26,13 @@ gives the prompt tokens the server did not prefill (`qrt_prefix_cache_reused_tok
 
 With --speculative ngram the qrt server decodes with speculation (prompt lookup, --num-speculative-
 tokens guesses), and with --compare-speculative the levels run again on a server without it; the
-report gives the guesses checked and kept. --grounded makes every prompt a passage followed by its
+report gives the guesses checked and kept.
+
+With --replicas N the server is `qrt serve --replicas N` (N engine processes behind one front,
+sharing --threads); the report gives how many requests the front sent to the replica that last
+served their prompt's first --affinity-prefix-chars characters (with --shared-prefix, a prefix at
+least that long makes every request after the first of each replica such a hit), and how many
+went to each replica. --grounded makes every prompt a passage followed by its
 own beginning, which the model goes on copying: the case prompt lookup is for. A step that keeps
 guesses sends several chunks at once, so ITL counts the gaps a client sees, zeros included.
 
@@ -80,7 +86,11 @@ def parse_args(argv=None):
                         help="run the levels again on a qrt server without speculation")
     parser.add_argument("--grounded", action="store_true",
                         help="prompts that a completion goes on copying: a passage, then its beginning again")
-    parser.add_argument("--max-batch", type=int, default=8, help="the server's slots (default: 8, as qrt serve)")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="the server's slots, per replica (default: 8, as qrt serve)")
+    parser.add_argument("--replicas", type=int, default=1, help="qrt serve --replicas (default: 1)")
+    parser.add_argument("--affinity-prefix-chars", type=int, default=None,
+                        help="qrt serve --affinity-prefix-chars, with --replicas (default: qrt's)")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--soak", type=float, default=300, help="soak seconds, 0 to skip (default: 300)")
     parser.add_argument("--soak-clients", type=int, default=8)
@@ -315,6 +325,10 @@ def qrt_server(args, log_dir: Path, prefix_caching: bool = True, speculative: bo
                "--max-queue", "256", "--served-model-name", "bench"]
     if args.quant:
         command += ["--quant", args.quant]
+    if args.replicas != 1:
+        command += ["--replicas", str(args.replicas)]
+        if args.affinity_prefix_chars is not None:
+            command += ["--affinity-prefix-chars", str(args.affinity_prefix_chars)]
     if not prefix_caching:
         command += ["--no-prefix-caching"]
     if args.speculative and speculative:
@@ -349,6 +363,17 @@ def llama_cpp_server(gguf: Path, args, log_dir: Path) -> ServerProcess:
     return ServerProcess(command, port, "/v1/models", log_dir / "llama-cpp-server.log")
 
 
+def routing(served: dict[str, float]) -> dict:
+    """The front's affinity counters: requests sent to their prefix's last replica, and per replica."""
+    hits, misses = served["qrt_router_affinity_hits_total"], served["qrt_router_affinity_misses_total"]
+    per_replica = {int(re.search(r'replica="(\d+)"', k).group(1)): v for k, v in served.items()
+                   if k.startswith("qrt_router_requests_total")}
+    return {"affinity_hits": hits, "affinity_misses": misses,
+            "affinity_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "requests_per_replica": [per_replica[i] for i in sorted(per_replica)],
+            "restarts": sum(v for k, v in served.items() if k.startswith("qrt_router_replica_restarts_total"))}
+
+
 def print_report(report: dict) -> None:
     rows = []
     for row in report["levels"]:
@@ -372,6 +397,12 @@ def print_report(report: dict) -> None:
     if report.get("speculative_proposed"):
         print(f"speculative decoding: {report['speculative_accepted']:.0f} of {report['speculative_proposed']:.0f} "
               f"guesses kept")
+    if report.get("routing"):
+        r = report["routing"]
+        rate = "-" if r["affinity_hit_rate"] is None else f"{r['affinity_hit_rate']:.0%}"
+        print(f"replicas: {r['affinity_hits']:.0f} of {r['affinity_hits'] + r['affinity_misses']:.0f} requests went to "
+              f"the replica that last served their prompt's prefix (affinity hit rate {rate}); requests per replica "
+              f"{', '.join(f'{n:.0f}' for n in r['requests_per_replica'])}; {r['restarts']:.0f} restarts")
     for note in report["notes"]:
         print(f"note: {note}")
 
@@ -412,6 +443,8 @@ def main(argv=None) -> int:
         report["prefix_cache_reused_tokens"] = served.get("qrt_prefix_cache_reused_tokens_total", 0.0)
         report["speculative_proposed"] = served.get("qrt_speculative_proposed_tokens_total", 0.0)
         report["speculative_accepted"] = served.get("qrt_speculative_accepted_tokens_total", 0.0)
+        if args.replicas != 1:
+            report["routing"] = routing(served)
         if args.soak > 0:
             report["soak"] = soak(server.url, name, args)
     report["qrt_exit_code_after_sigterm"] = server.process.returncode

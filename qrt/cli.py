@@ -18,6 +18,7 @@ from qrt.runtime.compiled import BUILDS
 from qrt.runtime.distributed import leave_process_group
 from qrt.runtime.evaluate import DEFAULT_WINDOW
 from qrt.runtime.speculative import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
+from qrt.server.affinity import DEFAULT_PREFIX_CHARS
 from qrt.server.tools import READERS as TOOL_CALL_READERS
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -122,7 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how tool_choice \"auto\" reads the model's calls (default: from the chat template)")
     srv.add_argument("--served-model-name", default=None,
                      help="the `model` clients send (default: the checkpoint folder's name, or 'default')")
-    srv.set_defaults(handler=_serve)
+    srv.add_argument("--replicas", type=int, default=1,
+                     help="engine processes, each a server with its own copy of the model on a port of "
+                          "127.0.0.1, behind one front on --host/--port that routes requests to them; on the CPU "
+                          "they share --threads (default: 1, one process serving by itself)")
+    srv.add_argument("--affinity-prefix-chars", type=int, default=DEFAULT_PREFIX_CHARS,
+                     help="with --replicas: requests whose prompts start with the same this many characters go "
+                          "to the replica that served the last of them, whose KV cache may still hold them "
+                          "(default: %(default)s)")
+    srv.set_defaults(handler=_serve, serve_parser=srv)
 
     ev = commands.add_parser("eval", help="perplexity and bits per byte of a text, scored with a sliding window")
     add_model_args(ev)
@@ -222,6 +231,8 @@ def _serve(args) -> int:
         if value is not None and value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     chunk_size = args.prefill_chunk or DEFAULT_CHUNK
+    if args.replicas != 1:
+        return _serve_replicas(args)
     if os.environ.get("RANK", "0") != "0":  # under torchrun with --tp: rank 0 serves, the others follow it
         from qrt.server.lockstep import follow
 
@@ -235,6 +246,52 @@ def _serve(args) -> int:
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
                  max_batch=args.max_batch, prefix_caching=args.prefix_caching, tool_call_parser=args.tool_call_parser)
+
+
+# What the front alone uses: each replica serves on a port of its own on 127.0.0.1, with its share
+# of the threads, and reads the API key from its environment rather than its command line.
+_FRONT_ONLY = {"host", "port", "replicas", "affinity_prefix_chars", "api_key"}
+
+
+def _serve_replicas(args) -> int:
+    from qrt.server.replicas import replica_env
+    from qrt.server.serve import serve_replicas
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.tp != 1 or "RANK" in os.environ:
+        raise ValueError("--replicas runs whole models, one per process; it does not combine with --tp or torchrun")
+    if args.affinity_prefix_chars < 1:
+        raise ValueError(f"--affinity-prefix-chars must be at least 1, got {args.affinity_prefix_chars}")
+    total = args.threads or len(os.sched_getaffinity(0))
+    threads = max(1, total // args.replicas)
+    arguments = _replica_arguments(args.serve_parser, args)
+
+    def replica_command(port: int) -> list[str]:
+        return [sys.executable, "-m", "qrt", "--threads", str(threads), "serve", *arguments,
+                "--host", "127.0.0.1", "--port", str(port)]
+
+    env = replica_env(threads)
+    env.pop("QRT_API_KEY", None)
+    if args.api_key is not None:
+        env["QRT_API_KEY"] = args.api_key
+    return serve_replicas(replica_command, env, args.replicas, host=args.host, port=args.port,
+                          max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
+                          prefix_chars=args.affinity_prefix_chars)
+
+
+def _replica_arguments(serve_parser, args) -> list[str]:
+    """The `qrt serve` arguments of a replica: the front's own, less those of the front alone."""
+    arguments = []
+    for action in serve_parser._actions:
+        if action.dest in _FRONT_ONLY or action.dest == argparse.SUPPRESS or action.dest == "help":
+            continue
+        value = getattr(args, action.dest)
+        if not action.option_strings:  # the checkpoint
+            arguments.insert(0, "default" if value is None else str(value))
+        elif value != action.default:
+            arguments += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return arguments
 
 
 def _eval(args) -> int:

@@ -36,3 +36,23 @@ def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
     assert soak["active_slots_after"] == 0 and soak["queue_depth_after"] == 0
     assert report["qrt_exit_code_after_sigterm"] == 0
     assert "llama.cpp skipped (--no-peer)" in report["notes"]
+
+
+@pytest.mark.bench
+def test_serve_load_smoke_run_with_replicas_and_a_shared_prefix(chat_llama_dir, tmp_path):
+    report_path = tmp_path / "serve_load.json"
+    # A 40-token shared prefix (160 characters of text; the tiny tokenizer's tokens are bytes) is
+    # longer than the 100 characters the front routes by: every request after each replica's first hits.
+    result = subprocess.run([sys.executable, "-m", "bench.serve_load", str(chat_llama_dir), "--replicas", "2",
+                             "--affinity-prefix-chars", "100", "--threads", "2", "--levels", "1,2", "--duration", "3",
+                             "--prompt-tokens", "8,40", "--max-tokens", "8", "--max-batch", "2", "--max-seq-len", "512",
+                             "--soak", "0", "--no-peer", "--shared-prefix", "40", "--json", str(report_path)],
+                            cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    for row in report["levels"]:
+        assert row["failures"] == 0 and row["requests"] >= 1, row
+    routing = report["routing"]
+    assert routing["affinity_hit_rate"] > 0.5 and routing["restarts"] == 0, routing
+    assert sum(routing["requests_per_replica"]) == routing["affinity_hits"] + routing["affinity_misses"]
+    assert "affinity hit rate" in result.stdout and report["qrt_exit_code_after_sigterm"] == 0

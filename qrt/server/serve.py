@@ -1,6 +1,7 @@
 """`qrt serve`: load and compile a model on the engine thread while uvicorn already answers
 (/health says 503 until the graphs are warm), then serve the OpenAI API until SIGTERM or Ctrl-C,
-which stop taking connections and let the requests in flight finish first."""
+which stop taking connections and let the requests in flight finish first. With --replicas N,
+N such servers run as processes of their own behind a front that routes to them."""
 
 import signal
 import sys
@@ -45,6 +46,52 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
     server_box.append(server)
     print(f"qrt: listening on http://{host}:{port} (GET /health: 503 until the model is compiled)",
           file=sys.stderr, flush=True)
+    _run_until_stopped(server)
+    if loop.load_error is not None:
+        return 1
+    print("qrt: server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def serve_replicas(replica_command, replica_env: dict, replicas: int, *, host: str = "127.0.0.1", port: int = 8000,
+                   max_batch: int = 8, max_body_bytes: int = 1 << 20, drain_timeout_s: float = 600,
+                   start_timeout_s: float = 1800, prefix_chars: int = 1024) -> int:
+    """`qrt serve --replicas N`: N replica processes (replica_command(port): a `qrt serve` argv)
+    behind one front on host:port. Returns the exit code."""
+    import uvicorn
+
+    from .affinity import PrefixAffinity
+    from .replicas import ReplicaPool
+    from .router import create_router
+
+    server_box = []
+    failure = []
+
+    def on_fatal(message):  # the model does not load: starting replicas again would not help
+        failure.append(message)
+        print(f"qrt: error: {message}; shutting down", file=sys.stderr, flush=True)
+        if server_box:
+            server_box[0].should_exit = True
+
+    pool = ReplicaPool(replicas, replica_command, replica_env, start_timeout_s, on_fatal)
+    # A replica with a whole batch more in flight than the least busy one loses its prefixes' requests.
+    affinity = PrefixAffinity(slack=max_batch)
+    app = create_router(pool, affinity, prefix_chars=prefix_chars, max_body_bytes=max_body_bytes,
+                        drain_timeout_s=drain_timeout_s)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=drain_timeout_s)
+    server = uvicorn.Server(config)
+    server_box.append(server)
+    print(f"qrt: listening on http://{host}:{port} for {replicas} replicas (GET /health: 503 until every replica "
+          f"is ready)", file=sys.stderr, flush=True)
+    _run_until_stopped(server)
+    if failure:
+        return 1
+    print("qrt: server and replicas stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _run_until_stopped(server) -> None:
     # uvicorn drains on SIGTERM and then raises the signal again under the handler it found:
     # this one, so that a drained server exits 0 instead of dying by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -52,7 +99,3 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if loop.load_error is not None:
-        return 1
-    print("qrt: server stopped", file=sys.stderr, flush=True)
-    return 0
