@@ -265,7 +265,7 @@ def _serve_replicas(args) -> int:
         raise ValueError(f"--affinity-prefix-chars must be at least 1, got {args.affinity_prefix_chars}")
     total = args.threads or len(os.sched_getaffinity(0))
     threads = max(1, total // args.replicas)
-    arguments = _replica_arguments(args.serve_parser, args)
+    arguments = replica_arguments(args.serve_parser, args)
 
     def replica_command(port: int) -> list[str]:
         return [sys.executable, "-m", "qrt", "--threads", str(threads), "serve", *arguments,
@@ -280,7 +280,7 @@ def _serve_replicas(args) -> int:
                           prefix_chars=args.affinity_prefix_chars)
 
 
-def _replica_arguments(serve_parser, args) -> list[str]:
+def replica_arguments(serve_parser, args) -> list[str]:
     """The `qrt serve` arguments of a replica: the front's own, less those of the front alone."""
     arguments = []
     for action in serve_parser._actions:

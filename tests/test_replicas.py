@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from bench.serve_load import ServerProcess, free_port, metrics
-from qrt.cli import _replica_arguments, build_parser
+from qrt.cli import replica_arguments, build_parser
 from qrt.server.affinity import PrefixAffinity, prompt_prefix
 from qrt.server.metrics import Metrics
 from qrt.server.metrics_sum import summed_metrics
@@ -80,10 +80,10 @@ def test_a_replica_gets_the_fronts_serve_arguments_less_the_fronts_own():
     args = build_parser().parse_args(["--threads", "2", "serve", "path/to/model", "--host", "0.0.0.0", "--port", "9",
                                       "--replicas", "2", "--api-key", "secret", "--quant", "int4", "--max-batch", "4",
                                       "--no-prefix-caching", "--affinity-prefix-chars", "10"])
-    assert _replica_arguments(args.serve_parser, args) == ["path/to/model", "--quant", "int4", "--max-batch", "4",
+    assert replica_arguments(args.serve_parser, args) == ["path/to/model", "--quant", "int4", "--max-batch", "4",
                                                             "--no-prefix-caching"]
     args = build_parser().parse_args(["serve", "--replicas", "2"])
-    assert _replica_arguments(args.serve_parser, args) == ["default"]
+    assert replica_arguments(args.serve_parser, args) == ["default"]
 
 
 class Front(ServerProcess):
