@@ -12,6 +12,7 @@ weights (kernels/layouts.py). Today's kernels and layouts:
 | `int_linear_triton` (CUDA)     | 2/4/8-bit, contiguous groups                | "packed": int32 words along K + group scales |
 | `int4pack_linear` (CPU)        | 4-bit, groups a multiple of 32, N % 16 == 0 | "int4pack": qrt's or ATen's int4 pack + scale/offset pairs |
 | `int8pack_linear` (CPU)        | 8-bit, one group per channel, K % 16 == 0   | "int8pack": int8 [N, K] or in pairs + channel scales |
+| `int8_groups_linear` (CPU)     | 8-bit, even groups of 16+ dividing K, N % 64 == 0 | "int8groups": centred int8 codes in pairs + scale/offset pairs |
 | `aten.linear` (any)            | anything else                               | "dense": dequantized to the model dtype |
 
 The CPU layouts are opaque (the int4 one is tiled for AVX-512), so unlike the canonical layout

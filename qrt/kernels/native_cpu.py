@@ -1,8 +1,9 @@
 """qrt's own CPU kernels (the C++ sources in csrc/: quantized_cpu.cpp, the quantized GEMVs and
 GEMMs, with fp8_codes.h; pair_gemv.h, the GEMV loop on weights packed in pairs, which
 dense_bf16_cpu.cpp runs on bf16 weights, int8_pairs_cpu.cpp on int8 codes and fp8_pairs_cpu.cpp on
-e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; decode_attention_cpu.cpp, attention of one new
-token per row over the KV cache): built together on first use, loaded as `torch.ops.qrt_cpu.*`.
+e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; int8_groups_cpu.cpp, byte-wide codes in
+groups on the pairs' layout; decode_attention_cpu.cpp, attention of one new token per row over the
+KV cache): built together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
 They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
 ninja, all of which Inductor's CPU backend wants anyway. Where any is missing, `available()` is
@@ -158,6 +159,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("qrt_cpu::int4_pairs_linear")
     def _(x, packed, scale_offsets, group_size, bias, min_rows_dequantized):
+        return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
+
+    @torch.library.register_fake("qrt_cpu::int8_groups_linear")
+    def _(x, packed, scale_offsets, bias, min_rows_dequantized):
         return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
 
     @torch.library.register_fake("qrt_cpu::int8pack_mm")

@@ -1,6 +1,7 @@
-// Per-group sums of a bf16 activation row, shared by the 4-bit kernels (quantized_cpu.cpp's GEMV on
-// ATen's pack, int4_pairs_cpu.cpp): they multiply bf16 (128 + q) codes exactly and correct each
-// group's sum by -136 * sum(x) afterwards, which needs sum(x) per group in fp32.
+// Per-group sums of a bf16 activation row, shared by the kernels on codes in groups: each adds a
+// group's offset times sum(x) to its sums (quantized_cpu.cpp's GEMV on ATen's pack,
+// int4_pairs_cpu.cpp, int8_groups_cpu.cpp), and the 4-bit ones, which multiply bf16 (128 + q) codes
+// exactly, also correct each group's sum by -136 * sum(x). Both need sum(x) per group in fp32.
 
 #pragma once
 

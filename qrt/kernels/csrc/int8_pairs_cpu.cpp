@@ -16,22 +16,8 @@
 
 namespace {
 
+using qrt_pairs::Int8Source;
 using qrt_pairs::kOutputs;
-
-// int8 pairs, 128 bytes a step: 32 bytes (16 outputs' pairs) per register, widened to fp32 in two
-// halves and packed to bf16. cvtne2ps puts its second operand in the low 16 words, so lanes 0-7
-// hold the first 8 outputs' pairs and lanes 8-15 the next 8: the outputs stay in order.
-struct Int8Source {
-  using Element = int8_t;
-  static void load(const Element* step, __m512i w[4]) {
-    for (int d = 0; d < 4; ++d) {
-      const __m128i* codes = reinterpret_cast<const __m128i*>(step + 32 * d);
-      const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes)));
-      const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 1)));
-      w[d] = (__m512i)_mm512_cvtne2ps_pbh(second, first);
-    }
-  }
-};
 
 at::Tensor int8_pairs_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& bias) {

@@ -1,5 +1,5 @@
 // The GEMV loop shared by qrt's CPU kernels on weights packed in pairs (dense_bf16_cpu.cpp,
-// int8_pairs_cpu.cpp, fp8_pairs_cpu.cpp).
+// int8_pairs_cpu.cpp, fp8_pairs_cpu.cpp), and the int8 widening int8_groups_cpu.cpp uses too.
 //
 // The layout: a weight W [N, K] stored as [N / 64, K / 2, 64, 2], element (b, j, d, t) =
 // W[64 b + d, 2 j + t]. One step of the loop reads one (b, j): the pairs (W[n, 2j], W[n, 2j + 1])
@@ -33,6 +33,22 @@ struct Bf16Source {
   using Element = uint16_t;
   static void load(const Element* step, __m512i w[4]) {
     for (int d = 0; d < 4; ++d) w[d] = _mm512_loadu_si512(step + 32 * d);  // outputs 16 d .. 16 d + 15
+  }
+};
+
+// int8 pairs, 128 bytes a step: 32 bytes (16 outputs' pairs) per register, widened to fp32 in two
+// halves and packed to bf16 (exact: an int8 value has at most 8 significant bits, as bf16). cvtne2ps
+// puts its second operand in the low 16 words, so lanes 0-7 hold the first 8 outputs' pairs and
+// lanes 8-15 the next 8: the outputs stay in order.
+struct Int8Source {
+  using Element = int8_t;
+  static void load(const Element* step, __m512i w[4]) {
+    for (int d = 0; d < 4; ++d) {
+      const __m128i* codes = reinterpret_cast<const __m128i*>(step + 32 * d);
+      const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes)));
+      const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 1)));
+      w[d] = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+    }
   }
 };
 
