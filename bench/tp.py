@@ -12,7 +12,9 @@ from the first token to the last), so prefill is not in it. Peak RSS is each ran
 of tp=2 there is memory per rank and correctness, not speed.
 
 Also times one all-reduce of a decode step's activations on each rank, the collective a step
-makes twice per layer. Writes bench/results/tp.json (or --json) and prints a table.
+makes twice per layer, by the path the model's all-reduces take (shared memory when every rank is
+on this host's CPU, else gloo or NCCL; QRT_SHM_ALLREDUCE=0 forces the process group's), and says
+which. Writes bench/results/tp.json (or --json) and prints a table.
 """
 
 import argparse
@@ -50,6 +52,7 @@ def worker(args) -> None:
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     mine = {"rank": model.parallel.rank, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "all_reduce_us": all_reduce_us,
+            "all_reduce_path": model.parallel.all_reduce_path if dist.is_initialized() else None,
             "collectives_per_step": 2 * model.model.config.num_layers + 2}
     ranks = [mine]
     if dist.is_initialized():
@@ -62,15 +65,19 @@ def worker(args) -> None:
 def time_all_reduce(model, calls: int = 200) -> float:
     """Median µs of one all-reduce of a decode step's activations ([1, 1, hidden] in the model
     dtype), the collective a decode step makes twice per layer (once more for the embedding;
-    the logits' all-gather is the step's last)."""
+    the logits' all-gather is the step's last). It goes the way the model's all-reduces go
+    (qrt.layers.tensor_parallel.all_reduce: shared memory or the group's backend), and is waited for."""
     import torch
-    import torch.distributed as dist
+    import torch.distributed._functional_collectives as collectives
 
-    x = torch.zeros(1, 1, model.model.config.hidden_size, dtype=model.model.dtype, device=model.device)
+    from qrt.layers.tensor_parallel import all_reduce
+
+    # [1, 1, hidden]: never zeros, so that the sum is real work on every path
+    x = torch.ones(1, 1, model.model.config.hidden_size, dtype=model.model.dtype, device=model.device)
     times = []
     for _ in range(calls):
         started = time.perf_counter()
-        dist.all_reduce(x, group=model.parallel.group)
+        collectives.wait_tensor(all_reduce(x, model.parallel))
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e6
 
@@ -150,15 +157,16 @@ def main() -> int:
     out.write_text(json.dumps({"checkpoint": str(args.path), "device": args.device, "steps": args.steps,
                                    "runs": args.runs, "results": rows}, indent=2))
     print(f"\n| tp | threads per rank | decode tok/s (median of {args.runs}) | peak RSS per rank (MiB) "
-          f"| one all-reduce (µs) | all-reduces per step |")
-    print("|---|---|---|---|---|---|")
+          f"| one all-reduce (µs) | all-reduce path | all-reduces per step |")
+    print("|---|---|---|---|---|---|---|")
     for result in rows:
         rss = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in result["ranks"])
         first = result["ranks"][0]
-        reduce = "—" if first["all_reduce_us"] is None else f"{first['all_reduce_us']:.0f}"
+        reduce = "—" if first["all_reduce_us"] is None else f"{first['all_reduce_us']:.1f}"
+        path = first["all_reduce_path"] or "—"
         steps = "—" if first["all_reduce_us"] is None else str(first["collectives_per_step"] - 1)
         print(f"| {result['tp']} | {result['threads_per_rank']} | {first['decode_tok_s']:.1f} | {rss} | {reduce} "
-              f"| {steps} |")
+              f"| {path} | {steps} |")
     print(f"\nwrote {out}")
     return 0
 

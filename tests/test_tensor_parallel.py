@@ -1,4 +1,5 @@
-"""Tensor parallelism at tp=2 on the CPU: two gloo ranks started by torchrun, one thread each.
+"""Tensor parallelism at tp=2 on the CPU: two gloo ranks started by torchrun, one thread each,
+whose all-reduces go through shared memory (and through gloo with QRT_SHM_ALLREDUCE=0).
 
 Every registered format (the contract cases of helpers/checkpoints/format_cases) and the
 architectures whose layouts differ (KV heads split or replicated, q/k/v fused on disk, Gemma 2's
@@ -70,8 +71,8 @@ def torchrun(jobs: list[dict], folder: Path, env=None) -> subprocess.CompletedPr
     return torchrun_two([str(WORKER), str(jobs_path), str(folder / "results.pt")], env)
 
 
-def run_sharded(jobs, folder) -> dict:
-    done = torchrun(jobs, folder)
+def run_sharded(jobs, folder, env=None) -> dict:
+    done = torchrun(jobs, folder, env)
     assert done.returncode == 0, done.stderr[-6000:]
     return torch.load(folder / "results.pt")
 
@@ -135,7 +136,19 @@ def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_fo
         # Every rank computes the same logits, bit for bit (the tokens are rank 0's, broadcast).
         if not torch.equal(got["ranks"][0]["logits"], got["ranks"][1]["logits"]):
             failures.append(f"{name}: the ranks' logits differ")
+        # Both ranks are on this host's CPU: their all-reduces go through shared memory.
+        if [rank["all_reduce_path"] for rank in got["ranks"]] != ["shm", "shm"]:
+            failures.append(f"{name}: all-reduces through {[rank['all_reduce_path'] for rank in got['ranks']]}")
     assert not failures, "\n".join(failures)
+
+
+def test_switched_off_shared_memory_the_ranks_reduce_through_gloo_alike(format_folders, tmp_path):
+    got = run_sharded([job("none", format_folders["none"])], tmp_path, env={"QRT_SHM_ALLREDUCE": "0"})["none"]
+    logits, tokens = single_rank(format_folders["none"])
+    assert [rank["all_reduce_path"] for rank in got["ranks"]] == ["gloo", "gloo"]
+    assert relative_l2(got["logits"], logits) < SUMMATION_ORDER
+    assert got["tokens"] == tokens
+    assert torch.equal(got["ranks"][0]["logits"], got["ranks"][1]["logits"])
 
 
 @pytest.fixture(scope="module")
@@ -341,9 +354,10 @@ def test_dump_lists_the_collectives_of_each_rank(format_folders, tmp_path):
         assert "graphs compiled: {'prefill': 1, 'decode': 1, 'forward': 1}" in index, index
         assert "ok: 2 decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles" in index
         assert "- prefill: 1 graph(s), 0 break(s)" in index and "- decode: 1 graph(s), 0 break(s)" in index
-        # each role: two all-reduces in the layer body, one for the embedding, one gather of the logits
+        # each role: two all-reduces in the layer body, one for the embedding (through shared
+        # memory: both ranks are on this host), one gather of the logits (gloo's, waited for)
         for role in ("prefill", "decode", "forward"):
-            assert f"- {role} graph 0: all_gather_into_tensor x1, all_reduce x3, wait_tensor x4" in index, index
+            assert f"- {role} graph 0: all_gather_into_tensor x1, shm_all_reduce x3, wait_tensor x1" in index, index
 
 
 # ---- faults -------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ GEMMs, with fp8_codes.h; pair_gemv.h, the GEMV loop on weights packed in pairs, 
 dense_bf16_cpu.cpp runs on bf16 weights, int8_pairs_cpu.cpp on int8 codes and fp8_pairs_cpu.cpp on
 e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; int8_groups_cpu.cpp, byte-wide codes in
 groups on the pairs' layout; decode_attention_cpu.cpp, attention of one new token per row over the
-KV cache): built together on first use, loaded as `torch.ops.qrt_cpu.*`.
+KV cache; shm_all_reduce_cpu.cpp, the all-reduce of tensor-parallel ranks on one host): built
+together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
 They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
 ninja, all of which Inductor's CPU backend wants anyway. Where any is missing, `available()` is
@@ -147,7 +148,8 @@ def _remove_stale_lock(lock: Path) -> None:
 
 
 def _register_fakes() -> None:
-    """Shapes for tracing: every linear op returns [M, N], decode attention q's shape."""
+    """Shapes for tracing: every linear op returns [M, N], decode attention q's shape, the
+    shared-memory all-reduce its input's."""
 
     @torch.library.register_fake("qrt_cpu::fp8_linear")
     def _(x, weight, weight_scale, bias, block_n, block_k, input_scale, min_rows_dequantized):
@@ -184,3 +186,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("qrt_cpu::decode_attention")
     def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("qrt_cpu::shm_all_reduce")
+    def _(x, handle):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -13,13 +13,17 @@ format therefore shards without sharding code of its own, except where a tensor 
 layer's axes (act-order group scales, which every rank needs whole).
 
 The collectives are torch's functional collectives: Dynamo traces them into the one compiled
-graph, where Inductor schedules them like any other op (no graph break at a communication).
+graph, where Inductor schedules them like any other op (no graph break at a communication). An
+all-reduce among CPU ranks of one host is qrt's own op instead, qrt_cpu::shm_all_reduce (through
+a shared-memory segment; runtime/shm_all_reduce.py), which traces the same way: a functional op
+with a fake.
 """
 
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as collectives
 
 from qrt.errors import UnsupportedError
@@ -34,15 +38,22 @@ class Parallelism:
     """The tensor-parallel group a model is built for: `size` ranks, this process being `rank`.
 
     size 1 is a model that is not sharded; `group` is the torch.distributed process group (None
-    when size is 1)."""
+    when size is 1). `shm_handle`: the group's shared-memory segment in this process, which its
+    all-reduces go through when every rank is on this host's CPU (None: through the group)."""
 
     size: int = 1
     rank: int = 0
     group: object = None
+    shm_handle: int | None = None
 
     @property
     def sharded(self) -> bool:
         return self.size > 1
+
+    @property
+    def all_reduce_path(self) -> str:
+        """What an all-reduce of bf16 or fp32 goes through: "shm" or the group's backend ("gloo", "nccl")."""
+        return "shm" if self.shm_handle is not None else dist.get_backend(self.group)
 
     def even(self, full: int, what: str) -> "RankSlice":
         """`full` entries split into `size` equal parts."""
@@ -214,8 +225,14 @@ def rank_columns(layer, quantized: torch.Tensor, channels_per_entry: int = 1) ->
 
 
 # ---- collectives ---------------------------------------------------------------------------------
+# What qrt_cpu::shm_all_reduce sums (in fp32, rounding once); other dtypes go through the group.
+SHM_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def all_reduce(x: torch.Tensor, parallel: Parallelism) -> torch.Tensor:
     """Sum of `x` over the ranks (the partial results of a row-parallel layer)."""
+    if parallel.shm_handle is not None and x.dtype in SHM_DTYPES:
+        return torch.ops.qrt_cpu.shm_all_reduce(x, parallel.shm_handle)
     return collectives.all_reduce(x, "sum", parallel.group)
 
 

@@ -5,8 +5,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-# The ops torch's functional collectives trace to (a tensor-parallel model's all-reduces and gathers).
-_COLLECTIVE = re.compile(r"_c10d_functional\.(\w+)")
+# The ops torch's functional collectives trace to (a tensor-parallel model's all-reduces and gathers),
+# and qrt's all-reduce through shared memory, which replaces theirs among CPU ranks of one host.
+_COLLECTIVE = re.compile(r"_c10d_functional\.(\w+)|qrt_cpu\.(shm_all_reduce)\b")
 
 
 def write_dump(out: Path, logs, explain: dict, recompile_check: str, header: list[str]) -> Path:
@@ -48,7 +49,7 @@ def _collectives(logs) -> list[str]:
         for number, report in enumerate(log.graphs):
             if not report.passes:
                 continue
-            found = Counter(_COLLECTIVE.findall(report.passes[-1].code_after))
+            found = Counter(functional or shm for functional, shm in _COLLECTIVE.findall(report.passes[-1].code_after))
             ops = ", ".join(f"{op} x{count}" for op, count in sorted(found.items())) or "none"
             lines.append(f"- {log.label} graph {number}: {ops}")
     return lines or ["- no graphs"]

@@ -1,6 +1,7 @@
 """The process group a tensor-parallel model runs in: torch.distributed, started the way torchrun's
 environment describes (NCCL on GPUs, gloo on CPUs), so multi-node runs use torchrun's rendezvous
-and qrt has no launcher of its own."""
+and qrt has no launcher of its own. CPU ranks that all run on one host reduce through shared
+memory instead of gloo (runtime/shm_all_reduce.py)."""
 
 import os
 from datetime import timedelta
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from qrt.errors import ConfigError
 from qrt.layers.tensor_parallel import SINGLE, Parallelism
+from qrt.runtime.shm_all_reduce import shm_all_reduce_handle
 
 # How long a collective may wait for the other ranks before it fails (and the process exits):
 # a rank that died never answers, and nothing may hang forever. $QRT_DIST_TIMEOUT_S overrides it.
@@ -46,7 +48,8 @@ def tensor_parallel(tp: int, device: torch.device) -> Parallelism:
                           f"the group, so start {tp} processes (torchrun --nproc-per-node {tp} …) or pass tp={world}")
     if tp == 1:
         return SINGLE
-    return Parallelism(tp, dist.get_rank(), dist.group.WORLD)
+    group, rank = dist.group.WORLD, dist.get_rank()
+    return Parallelism(tp, rank, group, shm_all_reduce_handle(group, rank, tp, device, timeout().total_seconds()))
 
 
 def rank_device(device: torch.device, parallel: Parallelism) -> torch.device:

@@ -13,7 +13,7 @@ teacher_forced_logits, saved as "teacher_forced")}. With $QRT_TP_TEST_BAD_RANK_P
 rank 1 loads that checkpoint instead (the fault test). For each, every rank computes the logits of
 "ids" and greedy-decodes "steps" tokens after "prompt"; rank 0 saves, per name, the logits, the
 tokens, every rank's own logits, the compile report, every rank's RSS before the job's model and its peak RSS after loading
-it, and every rank's parameter shapes.
+it, every rank's parameter shapes and the path its all-reduces took ("shm", "gloo").
 """
 
 import json
@@ -65,7 +65,8 @@ def run(job: dict) -> dict:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
     mine = {"logits": logits, "teacher_forced": forced, "rss_kib": peak_rss_kib, "rss_before_kib": rss_before_kib, "shapes": shapes, "tokens": tokens,
-            "report": model.compile_report()}
+            "report": model.compile_report(),
+            "all_reduce_path": model.parallel.all_reduce_path if model.parallel.sharded else None}
     gathered = [mine]
     if dist.is_initialized():  # tp=1 starts no process group
         gathered = [None] * dist.get_world_size()
