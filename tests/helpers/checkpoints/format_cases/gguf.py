@@ -117,5 +117,7 @@ def _case(folder) -> None:
 # float32, as the other cases' checkpoints are (a GGUF file names no dtype: bf16 by default),
 # so that compiled and eager agree to float32 rounding and no dense layer is packed for bf16.
 CASES = {
-    "stored:gguf": FormatCase(_case, None, frozenset({"qrt.int4pack_linear"}), INT_CUDA, dtype="float32"),
+    # Q4_0/Q4_1 layers run the int4 kernel, Q8_0 (ffn_down) the byte-wide grouped one.
+    "stored:gguf": FormatCase(_case, None, frozenset({"qrt.int4pack_linear", "qrt.int8_groups_linear"}), INT_CUDA,
+                              dtype="float32"),
 }
