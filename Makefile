@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) -m qrt generate --quant fp8 --prompt "What is the capital of France? Answer in one sentence."
+	$(PY) -m qrt generate --prompt "What is the capital of France? Answer in one sentence."
 
 test: setup
 	$(PY) -m pytest

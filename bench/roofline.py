@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.measure import wall_time
-from qrt.runtime.default_model import cache_root  # qrt's cache folder, QRT_CACHE_DIR aware
+from qrt.cache_dir import cache_root  # qrt's cache folder, QRT_CACHE_DIR aware
 
 BANDWIDTH_BYTES = 2**30
 BANDWIDTH_RUNS = 7

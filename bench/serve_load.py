@@ -60,6 +60,7 @@ from pathlib import Path
 import httpx2 as httpx  # the openai package's HTTP client, installed with the test extra
 
 from bench.measure import machine_state, print_machine_state, print_table
+from qrt.runtime.default_model import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"throughput_8_vs_1": 4.0, "ttft_p99_at_8_s": 2.0}
@@ -70,7 +71,7 @@ CHARS_PER_TOKEN = 4  # English text in SmolLM2's tokenizer, near enough to pick 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model, bf16)")
     parser.add_argument("--quant", default=None, help="online quantization, as for qrt serve (default: bf16 as stored)")
     parser.add_argument("--levels", default="1,4,8,16", help="concurrent clients per level (default: 1,4,8,16)")
     parser.add_argument("--duration", type=float, default=30, help="seconds per level (default: 30)")
@@ -320,7 +321,9 @@ def soak(url: str, model: str, args) -> dict:
 
 def qrt_server(args, log_dir: Path, prefix_caching: bool = True, speculative: bool = True) -> tuple[ServerProcess, str]:
     port = free_port()
-    command = [sys.executable, "-m", "qrt", "--threads", str(args.threads), "serve", *([args.model] if args.model else []),
+    # The embedded model as its bf16 folder, as the rows of bf16 and --quant compare from.
+    model = args.model or str(default_model_path(progress=False))
+    command = [sys.executable, "-m", "qrt", "--threads", str(args.threads), "serve", model,
                "--port", str(port), "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
                "--max-queue", "256", "--served-model-name", "bench"]
     if args.quant:

@@ -187,7 +187,7 @@ class Runner:
 def isolated_qrt_cache(folder: Path) -> dict:
     """Environment for a qrt job whose compile cache is `folder` (made here, empty at first), with
     the user's converted models and bench checkpoints linked in rather than converted again."""
-    from qrt.runtime.compile_cache import cache_root
+    from qrt.cache_dir import cache_root
 
     folder.mkdir(parents=True, exist_ok=True)
     for shared in ("models", "bench"):

@@ -13,6 +13,7 @@ import pytest
 
 from bench.serve_load import ServerProcess, free_port
 from qrt import runtime
+from qrt.runtime.default_model import default_model_path
 from qrt.runtime.evaluate import DEFAULT_TEXT
 from qrt.runtime.sampling import SamplingParams
 
@@ -25,7 +26,8 @@ START_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def model():
-    return runtime.compile_model(None, progress=False, max_batch_size=SLOTS, max_seq_len=MAX_SEQ_LEN)
+    return runtime.compile_model(default_model_path(progress=False), progress=False, max_batch_size=SLOTS,
+                                 max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_engine_rows_equal_the_same_requests_alone(model, prompts):
 def test_server_completions_equal_the_same_requests_alone(model, prompts, tmp_path):
     alone = [_alone(model, p, stop_at_eos=True)[1] for p in prompts]  # as the server stops
     port = free_port()
-    command = [sys.executable, "-m", "qrt", "serve", "--port", str(port), "--max-batch", str(SLOTS),
+    command = [sys.executable, "-m", "qrt", "serve", str(model.source), "--port", str(port), "--max-batch", str(SLOTS),
                "--max-seq-len", str(MAX_SEQ_LEN)]
     with ServerProcess(command, port, "/health", tmp_path / "server.log") as server:
         server.wait_ready(START_TIMEOUT_S)

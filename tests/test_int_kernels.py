@@ -61,8 +61,8 @@ def test_reference_equals_explicit_dequantized_matmul(bits, group_size, act_orde
 def test_cpu_int4_pack_kernel_matches_reference(k, n, group_size, act_order, dtype):
     layer, _ = random_layer(k, n, 4, group_size, act_order=act_order, seed=k)
     cpu_group = int4_cpu_group(k, n, layer["group_size"])
-    packed, scale_offsets = pack_int4_for_cpu(layer["qweight"], layer["scales"], layer["zeros"],
-                                              layer["group_size"], k, cpu_group, dtype)
+    codes = unpack_rows(layer["qweight"], 4, k)  # [K, N]
+    packed, scale_offsets = pack_int4_for_cpu(codes, layer["scales"], layer["zeros"], layer["group_size"], cpu_group, dtype)
     for m in (1, 7, MIN_ROWS_DEQUANTIZED + 1):  # the last dequantizes to bf16 where qrt's CPU kernels build
         x = random_rows(m, k, dtype)
         out = torch.ops.qrt.int4pack_linear(x, packed, scale_offsets, layer["perm"], None, cpu_group)

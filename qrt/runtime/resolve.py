@@ -31,13 +31,12 @@ class Resolved:
 
 def resolve(path, quant: str | None, load_config: LoadConfig, *, revision: str | None = None,
             progress: bool = True) -> Resolved:
-    """path None: the default model (made from its package on first use, with a progress bar
-    where `progress`). A hub id (checkpoint/hub.py) is fetched at `revision` into the Hugging Face
-    cache, or found there."""
+    """path None: the default model, its GGUF file as the package ships it. A hub id
+    (checkpoint/hub.py) is fetched at `revision` into the Hugging Face cache, or found there."""
     if path is None:
-        from .default_model import default_model_path
+        from .default_model import gguf_path
 
-        path = default_model_path(progress=progress)
+        path = gguf_path()
     path = locate(path, revision, progress, side_files=side_file_names())
     # A GGUF runs in its own quantization unless another is asked for ("none": dequantized).
     checkpoint = open_checkpoint(path, load_config, keep_quantized=quant in (None, "gguf"))
