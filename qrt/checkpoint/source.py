@@ -49,8 +49,11 @@ class GgufCheckpoint:
         self.keep_quantized = keep_quantized
         self.file = GgufFile(self.path)
         self.hf_config = self.file.hf_config
+        # Whether the output layer is read from the embedding's blocks (the loader then lets the
+        # embedding look its rows up in the output layer's weight: loader.share_embedding_rows).
+        self.output_is_embedding = False
         if keep_quantized:
-            self.file.untie_quantized_output()
+            self.output_is_embedding = self.file.untie_quantized_output()
             self.hf_config["quantization_config"] = {"quant_method": "gguf",
                                                      "tensor_types": self.file.tensor_types()}
 

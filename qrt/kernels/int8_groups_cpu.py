@@ -126,6 +126,22 @@ class Int8GroupsLayout(Layout):
     def linear(self, layer, x, bits: int, group_size: int):
         return torch.ops.qrt.int8_groups_linear(x, layer.weight, layer.scale_offsets, layer.perm, layer.bias)
 
+    gathers_rows = True
+
+    def rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """Row n is lane n % 64 of block n // 64 in both tensors: a strided gather of its K codes
+        and K / g (scale, offset) pairs, code * scale + offset in fp32, rounded once, as `dequantize`."""
+        if layer.perm is not None:  # K permuted (act order): the rows would come out in that order
+            raise NotImplementedError("int8groups rows of a weight with permuted input channels")
+        packed, scale_offsets = layer.weight, layer.scale_offsets
+        k, groups = 2 * packed.shape[1], scale_offsets.shape[1]
+        block, lane = ids // OUTPUTS_PER_BLOCK, ids % OUTPUTS_PER_BLOCK
+        # Advanced indices apart from the slice between them put the ids' dims first.
+        codes = packed[block, :, lane].reshape(*ids.shape, groups, k // groups)  # [..., K / g, g]
+        pairs = scale_offsets[block, :, lane].float()  # [..., K / g, 2]
+        values = codes.float() * pairs[..., :1] + pairs[..., 1:]  # [..., K / g, g] fp32
+        return values.reshape(*ids.shape, k).to(scale_offsets.dtype)
+
 
 declare(Kernel(
     "qrt.int8_groups_linear", devices=("cpu",), serves=("qrt.int_linear",), layout=Int8GroupsLayout(),

@@ -52,6 +52,15 @@ class Layout(ABC):
         """x [..., K] -> [..., N] with the tensors `pack` made, which the layer now holds;
         `settings` are the logical op's plain arguments (bits and group size, for example)."""
 
+    # Whether `rows` can read single rows of the weight back: an embedding that holds the same
+    # values as this layer (a GGUF's tied output layer) then looks its rows up here, not in a copy.
+    gathers_rows = False
+
+    def rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([...] int64, < N) of the weight `pack` made, as values [..., K] in the
+        model dtype."""
+        raise NotImplementedError(f"the {self.name!r} layout does not gather rows")
+
     def __repr__(self) -> str:
         return f"<layout {self.name}>"
 

@@ -82,13 +82,13 @@ class CausalLM(nn.Module):
         tied = self.config.tie_word_embeddings
         weight = getattr(self.lm_head, "weight", None)  # stored formats (GPTQ) name theirs otherwise
         # A tied lm_head quantized online has its own weight, quantized from the embeddings as they stream in.
-        untied = weight is not None and weight is not self.model.embed_tokens.weight
+        untied = weight is not None and weight is not getattr(self.model.embed_tokens, "weight", None)
         return replace(self.checkpoint_layout, tied=("lm_head.weight",) if tied else (),
                        copies={"model.embed_tokens.weight": ("lm_head.weight",)} if tied and untied else {})
 
     def allocate_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Rotary tables and the static KV cache; called once the weights are materialized."""
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device  # (the embedding may hold no weight of its own: Embedding.share_rows_of)
         for rotary in (self.rotary, self.local_rotary):
             if rotary is not None:
                 rotary.allocate(max_seq_len, self.dtype, device)

@@ -47,6 +47,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.parallel = parallel
         vocab = parallel.vocab(vocab_size)
+        self.rows_held = vocab.length  # this rank's rows, padding included
         self.n_slices = (vocab,) if parallel.sharded else None  # read by the loader
         self.k_slice = None
         self.first_id = vocab.start
@@ -58,12 +59,28 @@ class Embedding(nn.Module):
     def tensor_split(self, param_name: str) -> TensorSplit:
         return TensorSplit(n_dim=0, k_dim=None)  # vocabulary rows; every rank holds all D columns
 
+    # The output layer whose weight holds this embedding's values (share_rows_of), or None.
+    rows_of = None
+
+    def share_rows_of(self, output) -> None:
+        """Look rows up in `output`'s packed weight from now on, and drop this copy of them:
+        `output` (the lm_head, split over the vocabulary as this embedding is) holds the same values,
+        in a layout whose `rows` reads them back (a GGUF's output layer made from its quantized
+        embedding: the one copy that stays is a byte a weight, not two)."""
+        self.__dict__["rows_of"] = output  # a plain reference: the lm_head stays the model's module, not ours
+        del self.weight
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_of is not None:
+            return self.rows_of.quant_method.layout.rows(self.rows_of, ids)  # [B, T, D]
+        return F.embedding(ids, self.weight)  # [B, T, D]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.parallel.sharded:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.first_id  # [B, T]
-        held = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [B, T, D]
+        held = (local >= 0) & (local < self.rows_held)
+        rows = self._lookup(local.clamp(0, self.rows_held - 1))  # [B, T, D]
         return all_reduce(rows * held.unsqueeze(-1).to(rows.dtype), self.parallel)
 
 
