@@ -158,9 +158,10 @@ def decode_blocks(blocks: torch.Tensor, ggml_type: str, k: int) -> IntWeights:
     q, scales, offsets = q.reshape(n, k), scales.reshape(n, groups), offsets.reshape(n, groups)
     # scale · q + offset = scale · (q − zero) with zero = −offset / scale; a group of scale 0 is its
     # offset throughout: codes 1, scale offset, zero 0.
-    flat = scales == 0
-    by_group = flat.repeat_interleave(kind.group_size, dim=1)  # [N, K]
-    q = torch.where(by_group & (offsets != 0).repeat_interleave(kind.group_size, dim=1), torch.ones_like(q), q)
+    flat = scales == 0  # [N, K / g]
+    if bool(flat.any()):  # rare: spare the common case passes over the codes
+        by_group = (flat & (offsets != 0)).repeat_interleave(kind.group_size, dim=1)  # [N, K]
+        q = torch.where(by_group, torch.ones_like(q), q)
     zeros = torch.where(flat, torch.zeros_like(scales), -offsets / torch.where(flat, torch.ones_like(scales), scales))
     scales = torch.where(flat, offsets, scales)
     return IntWeights(q.t().contiguous(), scales.t().contiguous(), zeros.t().contiguous(), kind.bits,
