@@ -31,7 +31,7 @@ MAX_SEQ_LEN = 256
 def weight_only_fp8() -> "runtime.CompiledModel":
     """The bf16 model, eager, with fp8 codes × scales for weights (eager fp8 on the CPU holds the
     codes widened to bf16, exactly)."""
-    model = runtime.compile_model(compile=False, progress=False, max_seq_len=MAX_SEQ_LEN)
+    model = runtime.compile_model(quant="none", compile=False, progress=False, max_seq_len=MAX_SEQ_LEN)
     fp8 = runtime.compile_model(quant="fp8", compile=False, progress=False, max_seq_len=MAX_SEQ_LEN)
     fp8_layers = dict(fp8.model.named_modules())
     with torch.no_grad():
@@ -63,7 +63,7 @@ def main() -> None:
                         help="run the variants eagerly (same quantized weights, reference or direct kernel ops; "
                              "no compile time)")
     args = parser.parse_args()
-    bf16 = runtime.compile_model(compile=False, progress=False, max_seq_len=MAX_SEQ_LEN)
+    bf16 = runtime.compile_model(quant="none", compile=False, progress=False, max_seq_len=MAX_SEQ_LEN)  # the GGUF dequantized
     variants = {q: runtime.compile_model(quant=q, compile=not args.eager, progress=False, max_seq_len=MAX_SEQ_LEN)
                 for q in args.quant.split(",")}
     if args.weight_only_fp8:

@@ -1,7 +1,7 @@
 """Peak resident memory while loading a checkpoint, against the size of the loaded model.
 
-    python -m bench.load_memory                      # the default model, bf16 and online fp8
-    python -m bench.load_memory PATH --quant none,fp8
+    python -m bench.load_memory                      # the default model: its GGUF as stored, bf16, online fp8
+    python -m bench.load_memory PATH --quant stored,fp8
 
 Each load runs in a fresh process: the figure is VmHWM (peak resident set) minus VmRSS after
 imports, so it covers reading the weights, quantizing them, the loader pass and the tokenizer.
@@ -45,12 +45,19 @@ def measure_load(path, quant: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", type=Path, help="checkpoint folder (default: the default model)")
-    parser.add_argument("--quant", default="none,fp8", help="comma-separated: none, fp8")
+    parser.add_argument("--quant", default="stored,none,fp8",
+                        help="comma-separated: stored (as the file holds it), none (dequantized where the file is "
+                             "quantized), an online format such as fp8")
     args = parser.parse_args()
-    print(f"{'quant':<6} {'model MiB':>10} {'peak MiB':>10} {'peak/model':>11}")
+    from qrt.runtime.default_model import gguf_path
+
+    source = args.path or gguf_path()  # a file (a GGUF) is also measured against its size
+    file_mib = source.stat().st_size / 2**20 if source.is_file() else None
+    print(f"{'quant':<6} {'model MiB':>10} {'peak MiB':>10} {'peak/model':>11}" + (" peak/file" if file_mib else ""))
     for quant in args.quant.split(","):
-        figures = measure_load(args.path, None if quant == "none" else quant)
-        print(f"{quant:<6} {figures['model_mib']:>10.0f} {figures['peak_mib']:>10.0f} {figures['ratio']:>11.2f}")
+        figures = measure_load(args.path, None if quant == "stored" else quant)
+        print(f"{quant:<6} {figures['model_mib']:>10.0f} {figures['peak_mib']:>10.0f} {figures['ratio']:>11.2f}"
+              + (f" {figures['peak_mib'] / file_mib:>9.2f}" if file_mib else ""))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def evaluate(path, quant: str, text: str, args) -> dict:
     label = DTYPE_NAMES[args.dtype] if quant == "none" else quant
     print(f"{label}: loading and scoring …", file=sys.stderr, flush=True)
     # The full forward uses no KV cache: size it to the window rather than the default.
-    model = compile_model(path, None if quant == "none" else quant, dtype=args.dtype, max_seq_len=args.window,
+    model = compile_model(path, quant, dtype=args.dtype, max_seq_len=args.window,
                           compile=not args.eager, warmup=False, progress=False)
     result = perplexity_of_text(model, text, window=args.window, stride=args.stride)
     row = {"quant": quant, "label": label, "quantization": model.scheme.describe(), "model": str(model.source),

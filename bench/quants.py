@@ -6,6 +6,7 @@ llama.cpp's memory in a process without it); formats.scheme does.
 
 from qrt.formats.catalog import online_formats
 
-# "bf16": the checkpoint's weights as stored (the default model's are bf16); the rest are quantized
-# online while loading.
-QUANTS = {"bf16": None, **{name: name for name in online_formats()}}
+# "bf16": no quantization of qrt's own: the weights as stored, or dequantized to bf16 where the file
+# is a GGUF (the default model's is: "none" runs it dense, None would run it in its Q4_1). The rest
+# are quantized online while loading.
+QUANTS = {"bf16": "none", **{name: name for name in online_formats()}}
