@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qrt.checkpoint.gguf_names import hf_names
 from qrt.errors import CheckpointError, TensorMismatch, UnsupportedError
 from qrt.layers.tensor_parallel import cut_tensor
 
@@ -69,12 +70,7 @@ class GgufFile:
     @cached_property
     def _names(self) -> dict[str, str]:
         """GGUF tensor name -> Hugging Face name (transformers' map for the architecture)."""
-        from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
-        with torch.device("meta"):  # only its parameter names are needed, not its memory
-            names_model = AutoModelForCausalLM.from_config(self.config)
-        return get_gguf_hf_weights_map(names_model, self._processor)
+        return hf_names(self.config, self._processor)
 
     @cached_property
     def _processor(self):
