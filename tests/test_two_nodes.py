@@ -51,7 +51,8 @@ def test_two_torchrun_nodes_at_tp2_give_one_process_logits_and_tokens(llama_dir,
                 node.wait(10)
         for file in files:
             file.close()
-    output = "\n".join(f"--- node {rank} ---\n{log.read_text()[-4000:]}" for rank, log in enumerate(logs))
+    # The worker's own error comes before the launchers' tracebacks: keep enough to reach it.
+    output = "\n".join(f"--- node {rank} ---\n{log.read_text()[-16000:]}" for rank, log in enumerate(logs))
     assert codes == [0, 0], output
     got = torch.load(tmp_path / "results.pt")["two nodes"]
     logits, tokens = single_rank(llama_dir)

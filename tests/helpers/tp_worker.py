@@ -102,6 +102,9 @@ def main() -> int:
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, results_path)
     if dist.is_initialized():
+        # Every rank done before any leaves: a rank that exits while another still talks to the group
+        # (or to the launcher's store, which goes with the first launcher to finish) can take it down.
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
