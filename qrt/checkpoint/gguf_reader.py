@@ -220,6 +220,6 @@ def read_gguf_header(path: Path, strings: Collection[str] = ()) -> GgufHeader:
     except CheckpointError:
         raise
     except _Truncated:
-        raise CheckpointError(path, None, "not a readable GGUF file (truncated: its header runs past its end)") from None
+        raise CheckpointError(path, None, "not a readable GGUF file (truncated inside its header)") from None
     except (ValueError, OSError) as err:
         raise CheckpointError(path, None, f"not a readable GGUF file ({err})") from None
