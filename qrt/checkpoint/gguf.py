@@ -1,5 +1,5 @@
-"""GGUF (llama.cpp) files: config and tokenizer from the file's metadata (through transformers'
-GGUF support), tensors read one at a time from the memory-mapped file (gguf-py's reader).
+"""GGUF (llama.cpp) files: config and tokenizer from the file's metadata, tensors read one at a
+time with positioned reads (gguf_reader.py), so that nothing of the file stays mapped or resident.
 
 Loaded as stored (quant=None), the tensors of the types qrt runs quantized (`KEPT_TYPES`) stay
 the file's blocks, uint8 [N, bytes per row], for the `gguf` format's loader pass
@@ -9,14 +9,15 @@ dequantized. llama.cpp's permutation of the q and k rows (Llama) is undone on wh
 is read: it moves whole rows, so it applies to blocks as to values.
 """
 
-import warnings
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from qrt.checkpoint.gguf_config import gguf_config
 from qrt.checkpoint.gguf_names import hf_names
+from qrt.checkpoint.gguf_reader import GgufHeader, GgufTensorInfo, block_size, read_gguf_header
 from qrt.errors import CheckpointError, TensorMismatch, UnsupportedError
 from qrt.layers.tensor_parallel import cut_tensor
 
@@ -27,14 +28,15 @@ from qrt.layers.tensor_parallel import cut_tensor
 # Q5_K), 6-bit codes with a scale per 16 (Q6_K).
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
+# fp32 values dequantized at a time: a large embedding never exists whole in fp32.
+_DEQUANTIZE_CHUNK_BYTES = 8 << 20
 
-def _config(path: Path):
-    from transformers import AutoConfig
 
+def _config(header: GgufHeader):
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        return gguf_config(header)
     except (ValueError, KeyError, OSError) as err:
-        raise CheckpointError(path, None, f"cannot read the GGUF metadata ({err})") from None
+        raise CheckpointError(header.path, None, f"cannot read the GGUF metadata ({err})") from None
 
 
 def _hf_config(config, path: Path) -> dict:
@@ -53,19 +55,14 @@ def _hf_config(config, path: Path) -> dict:
 
 
 class GgufFile:
-    """One GGUF file: its config and its tensors under their Hugging Face names. The metadata is
-    parsed once (seconds for a large vocabulary) and serves both."""
+    """One GGUF file: its config and its tensors under their Hugging Face names. The header is
+    parsed once and serves both."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
-        self.config = _config(self.path)  # transformers' config object
+        self.header = read_gguf_header(self.path)
+        self.config = _config(self.header)  # transformers' config object
         self.hf_config = _hf_config(self.config, self.path)
-        try:
-            self.reader = GGUFReader(str(self.path))
-        except (ValueError, OSError) as err:
-            raise CheckpointError(self.path, None, f"not a readable GGUF file ({err})") from None
 
     @cached_property
     def _names(self) -> dict[str, str]:
@@ -76,8 +73,7 @@ class GgufFile:
     def _processor(self):
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        field = self.reader.fields["general.architecture"]
-        architecture = bytes(field.parts[field.data[0]]).decode()
+        architecture = self.header.metadata["general.architecture"]
         return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=self.hf_config)
 
     def untie_quantized_output(self) -> bool:
@@ -86,9 +82,10 @@ class GgufFile:
         every decode step, and reads its codes (about half of bf16's bytes in Q8_0) far faster.
         The config then says untied, and `lm_head.weight` is the embedding's blocks. Returns
         whether it does."""
-        embedding = next((t for t in self.reader.tensors if self._names.get(t.name) == "model.embed_tokens.weight"), None)
-        has_output = any(self._names.get(t.name) == "lm_head.weight" for t in self.reader.tensors)
-        if embedding is not None and not has_output and embedding.tensor_type.name in KEPT_TYPES:
+        tensors = self.header.tensors
+        embedding = next((t for t in tensors if self._names.get(t.name) == "model.embed_tokens.weight"), None)
+        has_output = any(self._names.get(t.name) == "lm_head.weight" for t in tensors)
+        if embedding is not None and not has_output and embedding.type_name in KEPT_TYPES:
             self.hf_config["tie_word_embeddings"] = False
             self._output_from = embedding
         return self._output_from is not None
@@ -96,19 +93,19 @@ class GgufFile:
     _output_from = None  # the embedding tensor the output layer is read from (untie_quantized_output)
 
     def _loaded(self) -> list:
-        """(Hugging Face name, GGUF tensor) of every tensor qrt loads."""
-        loaded = [(self._names[t.name], t) for t in self.reader.tensors if t.name in self._names]
+        """(Hugging Face name, GGUF tensor table entry) of every tensor qrt loads."""
+        loaded = [(self._names[t.name], t) for t in self.header.tensors if t.name in self._names]
         return loaded + ([("lm_head.weight", self._output_from)] if self._output_from is not None else [])
 
     def tensor_types(self) -> dict[str, str]:
         """Hugging Face name -> GGML type name ("Q4_1", "F32", ...) of every tensor qrt loads."""
-        return {name: t.tensor_type.name for name, t in self._loaded()}
+        return {name: t.type_name for name, t in self._loaded()}
 
     def tensors(self, dtype: torch.dtype, keep_quantized: bool) -> list:
         """(Hugging Face name, GgufTensor) of every tensor qrt loads, read when the loader asks."""
         loaded = self._loaded()
-        return [(name, GgufTensor(t, self._processor, dtype,
-                                  keep_quantized and runs_as_stored(name, t.tensor_type.name, len(t.shape))))
+        return [(name, GgufTensor(self.header, t, self._processor, dtype,
+                                  keep_quantized and runs_as_stored(name, t.type_name, len(t.shape))))
                 for name, t in loaded]
 
 
@@ -124,49 +121,56 @@ class GgufTensor:
     """A tensor of the file, read (and dequantized unless `raw`) when the loader asks: only one
     tensor's worth of memory beyond the model's at a time."""
 
-    def __init__(self, tensor, processor, dtype: torch.dtype, raw: bool):
-        self._tensor, self._processor, self._dtype, self.raw = tensor, processor, dtype, raw
-        self.ggml_type = tensor.tensor_type.name
+    def __init__(self, header: GgufHeader, tensor: GgufTensorInfo, processor, dtype: torch.dtype, raw: bool):
+        self._header, self._tensor, self._processor, self._dtype, self.raw = header, tensor, processor, dtype, raw
+        self.ggml_type = tensor.type_name
 
     @property
     def shape(self) -> tuple:
-        dims = tuple(int(d) for d in reversed(self._tensor.shape))  # GGUF lists dims innermost first
         if not self.raw:
-            return dims
-        blocks, block_bytes = _block_grid(self._tensor)
-        return (*dims[:-1], blocks, block_bytes)
+            return self._tensor.shape
+        weights_per_block, block_bytes = block_size(self._tensor.ggml_type)
+        return (*self._tensor.shape[:-1], self._tensor.shape[-1] // weights_per_block, block_bytes)
 
     def read(self, cuts=()) -> torch.Tensor:
         """raw: the blocks, uint8 [N, K / weights per block, bytes per block] (a rank's part of K is
         whole blocks);
         else the values in the model dtype."""
-        from gguf import dequantize
+        blocks = self._header.read_tensor(self._tensor)  # uint8 [*shape[:-1], row bytes]
+        if self.raw:
+            tensor = torch.from_numpy(self._process(blocks)).reshape(self.shape)
+        elif blocks.ndim >= 2 and _moves_rows_only(self._processor):
+            tensor = self._dequantize_rows(self._process(blocks))
+        else:  # the processor works on values (or the tensor is one row): dequantized whole
+            from gguf import dequantize
 
-        data = self._tensor.data if self.raw else dequantize(self._tensor.data, self._tensor.tensor_type)
-        try:
-            data = self._processor.process(weights=data, name=self._tensor.name).weights
-        except ValueError as err:  # llama.cpp's q/k row order cannot be undone on these rows
-            raise TensorMismatch(f"shape {list(self.shape)} does not hold the model's attention heads ({err})") from None
-        tensor = torch.from_numpy(np.array(data, copy=True))  # the memory map is read-only
-        tensor = tensor.reshape(self.shape) if self.raw else tensor.to(self._dtype)
+            tensor = torch.from_numpy(self._process(dequantize(blocks, self._tensor.quant_type))).to(self._dtype)
         return cut_tensor(tensor, cuts) if cuts else tensor
 
+    def _process(self, data: np.ndarray) -> np.ndarray:
+        """`data` with transformers' per-architecture fix applied (llama.cpp's q/k row order undone)."""
+        try:
+            return np.ascontiguousarray(self._processor.process(weights=data, name=self._tensor.name).weights)
+        except ValueError as err:  # llama.cpp's q/k row order cannot be undone on these rows
+            raise TensorMismatch(f"shape {list(self.shape)} does not hold the model's attention heads ({err})") from None
 
-def _block_grid(tensor) -> tuple[int, int]:
-    """(blocks per row, bytes per block) of a quantized tensor."""
-    from gguf import GGML_QUANT_SIZES
+    def _dequantize_rows(self, blocks: np.ndarray) -> torch.Tensor:
+        """The values of `blocks` (uint8 [*shape[:-1], row bytes]) in the model dtype, [*shape],
+        dequantized a chunk of rows (about _DEQUANTIZE_CHUNK_BYTES of fp32) at a time."""
+        from gguf import dequantize
 
-    weights_per_block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-    return int(tensor.shape[0]) // weights_per_block, block_bytes
+        rows = blocks.reshape(-1, blocks.shape[-1])  # [R, row bytes]
+        out = torch.empty(rows.shape[0], self._tensor.shape[-1], dtype=self._dtype)  # [R, K]
+        step = max(1, _DEQUANTIZE_CHUNK_BYTES // (4 * self._tensor.shape[-1]))
+        for start in range(0, rows.shape[0], step):
+            out[start:start + step] = torch.from_numpy(dequantize(rows[start:start + step], self._tensor.quant_type))
+        return out.reshape(self._tensor.shape)
 
 
-def read_gguf_tokenizer(path: Path):
-    """The tokenizer the file's metadata describes, or None where it has none usable (token-id
-    input still works then, as for a folder without tokenizer files)."""
-    from transformers import AutoTokenizer
+def _moves_rows_only(processor) -> bool:
+    """Whether transformers' processor at most reorders whole rows (llama.cpp's q/k permutation, or
+    nothing): then it acts on the blocks as on the values, before they are dequantized in chunks."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, TensorProcessor
 
-    try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, KeyError, OSError) as err:
-        warnings.warn(f"{path}: no usable tokenizer in its metadata ({err}); only token-id input will work")
-        return None
+    return type(processor) in (TensorProcessor, LlamaTensorProcessor)
+

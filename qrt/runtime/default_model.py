@@ -185,10 +185,9 @@ def _load_model(gguf_path: pathlib.Path):
 
 
 def _gguf_chat_template(gguf_path: pathlib.Path) -> str | None:
-    import gguf
+    from qrt.checkpoint.gguf_reader import read_gguf_header
 
-    field = gguf.GGUFReader(gguf_path).get_field("tokenizer.chat_template")
-    return field.contents() if field is not None else None
+    return read_gguf_header(gguf_path).metadata.get("tokenizer.chat_template")
 
 
 def _check_tokens(model, tokenizer) -> None:
