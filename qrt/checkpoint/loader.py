@@ -40,13 +40,21 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
         model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
     materialize(model, device_config.device)
     started = time.perf_counter()
+    later = []  # tensors read only if the loader pass leaves a place for them
     if load_config.load_format == "dummy":
         fill_random(model, load_config.seed)
     else:
-        stream_tensors(model, checkpoint.tensors(dtype), where=checkpoint.folder, progress=load_config.progress)
+        tensors = checkpoint.tensors(dtype)
+        if getattr(checkpoint, "output_is_embedding", False):
+            # The output layer holds the embedding's values: the embedding is read only if that
+            # layer cannot give rows back once packed (share_embedding_rows).
+            later = [t for t in tensors if t[1] == EMBEDDING]
+            tensors = [t for t in tensors if t[1] != EMBEDDING]
+        stream_tensors(model, tensors, where=checkpoint.folder, progress=load_config.progress,
+                       later={EMBEDDING} if later else frozenset())
     run_loader_pass(model, device_config.kernel_device)
-    if getattr(checkpoint, "output_is_embedding", False):
-        share_embedding_rows(model)
+    if getattr(checkpoint, "output_is_embedding", False) and not share_embedding_rows(model) and later:
+        stream_tensors(model, later, where=checkpoint.folder, progress=False, only={EMBEDDING})
     if load_config.progress:
         print(f"qrt: loaded weights in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return model.eval()
@@ -65,9 +73,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, replaced[id(param)])
 
 
-def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool) -> None:
+def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool, later=frozenset(),
+                   only=None) -> None:
     """Feed each checkpoint tensor ((file, name, StoredTensor)) to its parameter's weight_loader,
-    then check nothing is missing. Empties `tensors`.
+    then check nothing is missing: of every parameter but those named in `later`, or of those in
+    `only` where given. Empties `tensors`.
 
     Every tensor is first matched to its parameter and, in a sharded model, to this rank's part of
     it, from the headers alone: a checkpoint that does not fit the model, or a format that cannot
@@ -109,7 +119,9 @@ def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool)
                 except TensorMismatch as err:
                     raise CheckpointError(path, name, f"{err} (loading into '{target}')") from None
                 loaded[target].add(shard_id)
-    _check_complete(model, params, loaded, where)
+    expected = {name: param for name, param in params.items()
+                if name not in later and (only is None or name in only)}
+    _check_complete(model, expected, loaded, where)
 
 
 def rank_cuts(model: nn.Module, param_name: str, shard_id, shape, tensor_name: str) -> tuple:
@@ -191,14 +203,20 @@ def fill_random(model: nn.Module, seed: int) -> None:
         loader(param, values.to(param.device), None)
 
 
-def share_embedding_rows(model: nn.Module) -> None:
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def share_embedding_rows(model: nn.Module) -> bool:
     """The checkpoint's output layer was read from its embedding's stored values (a GGUF with a
     tied, quantized embedding): where the output layer's layout reads rows back, the embedding
-    looks its rows up there and its own copy is freed, so the model holds those values once."""
+    looks its rows up there and holds no copy, so the model holds those values once. Returns
+    whether it does."""
     output, embedding = model.lm_head, model.model.embed_tokens
     layout = getattr(output.quant_method, "layout", None)
-    if layout is not None and layout.gathers_rows and getattr(output, "perm", None) is None:
-        embedding.share_rows_of(output)
+    if layout is None or not layout.gathers_rows or getattr(output, "perm", None) is not None:
+        return False
+    embedding.share_rows_of(output)
+    return True
 
 
 def run_loader_pass(model: nn.Module, device: torch.device) -> None:

@@ -86,7 +86,7 @@ def _q5_1(grid):
 
 
 def _q8_0(grid):
-    q = (grid[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # [N, B, 32]
+    q = grid[..., 2:] ^ 0x80  # [N, B, 32] uint8: the int8 code + 128 is its byte with the top bit flipped
     d = _fp16(grid, 0)
     return q, d, -128 * d
 

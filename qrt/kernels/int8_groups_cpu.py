@@ -54,7 +54,7 @@ def kernel_group(k: int, group_size: int) -> int | None:
 def code_centre(q: torch.Tensor, zeros: torch.Tensor) -> int:
     """The centre c subtracted from the unsigned codes q [K, N]: the median zero point, rounded,
     moved as little as needed to keep every q - c within int8."""
-    low, high = (int(v) for v in torch.aminmax(q.to(torch.int32)))
+    low, high = (int(v) for v in torch.aminmax(q))
     centre = round(float(zeros.float().median()))
     return min(max(centre, high - 127), low + 128)
 
@@ -62,7 +62,9 @@ def code_centre(q: torch.Tensor, zeros: torch.Tensor) -> int:
 def pack_codes(q: torch.Tensor, centre: int) -> torch.Tensor:
     """Codes q [K, N] (unsigned) -> int8 [N / 64, K / 2, 64, 2], element (b, j, d, t) = q[2 j + t, 64 b + d] - c."""
     k, n = q.shape
-    signed = (q.to(torch.int16) - centre).to(torch.int8)  # [K, N]
+    # In bytes (a 49152-row lm_head's wider temporaries were its load's peak): q - c wraps modulo
+    # 256 in uint8, which read as int8 is q - c itself, as it lies in int8's range.
+    signed = (q.to(torch.uint8) - centre % 256).view(torch.int8)  # [K, N]
     return signed.view(k // 2, 2, n // OUTPUTS_PER_BLOCK, OUTPUTS_PER_BLOCK).permute(2, 0, 3, 1).contiguous()
 
 
