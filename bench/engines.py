@@ -85,7 +85,7 @@ def load_qrt(job: dict):
     causal_lm = model.model
     return model, started, {"load_s": load_s, "expert_bytes": expert_weight_bytes(causal_lm),
                             "weight_bytes_per_token": weight_bytes_per_token(causal_lm,
-                                                                             causal_lm.model.embed_tokens.weight)}
+                                                                             getattr(causal_lm.model.embed_tokens, "weight", None))}
 
 
 def warm_up(model, job: dict, started: float) -> dict:

@@ -332,7 +332,7 @@ def decode_table(hbm_bytes_s: float) -> None:
         model = compile_model(path, quant=quant, device="cuda", progress=False)  # compiles prefill and decode now
         ready_s = time.perf_counter() - started
         causal_lm = model.model
-        weight_bytes = weight_bytes_per_token(causal_lm, causal_lm.model.embed_tokens.weight)
+        weight_bytes = weight_bytes_per_token(causal_lm, getattr(causal_lm.model.embed_tokens, "weight", None))
 
         def generate(n: int) -> list[list[float]]:
             clock = TokenClock()

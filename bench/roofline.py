@@ -58,12 +58,15 @@ def _cpu_name() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def weight_bytes_per_token(model: torch.nn.Module, embedding: torch.Tensor) -> int:
+def weight_bytes_per_token(model: torch.nn.Module, embedding: torch.Tensor | None) -> int:
     """Bytes of weights one decode step reads: every parameter as stored (packed int4 is half a
     byte a weight because its storage is), except the input embedding, of which one row, unless
-    the lm_head shares it and so reads it whole."""
-    shared = sum(p is embedding for _, p in model.named_parameters(remove_duplicate=False)) > 1
+    the lm_head shares it and so reads it whole. An embedding of None holds no weight of its own
+    (it looks its rows up in the lm_head's, which the step reads whole)."""
     unique = {id(p): p for p in model.parameters()}.values()
+    if embedding is None:
+        return sum(_nbytes(p) for p in unique)
+    shared = sum(p is embedding for _, p in model.named_parameters(remove_duplicate=False)) > 1
     others = sum(_nbytes(p) for p in unique if p is not embedding)
     row = _nbytes(embedding) // embedding.shape[0]
     return others + row + (_nbytes(embedding) if shared else 0)

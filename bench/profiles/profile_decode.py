@@ -125,7 +125,7 @@ def main() -> None:
     by_kind["outside any kernel"] = max(profiled - sum(events.values()), 0.0)
 
     bandwidth = cached_bandwidth(remeasure=True)["gb_s"]  # today's: this machine's speed varies by day
-    weight_bytes = weight_bytes_per_token(model.model, model.model.model.embed_tokens.weight)
+    weight_bytes = weight_bytes_per_token(model.model, getattr(model.model.model.embed_tokens, "weight", None))
     moe = model.model.config.moe
     if moe is not None:  # a step of one token reads top_k of the experts (bench/roofline.py)
         experts = expert_weight_bytes(model.model)
