@@ -80,7 +80,7 @@ def depth_rows(runner: Runner, args, work: Path) -> list[dict]:
     from bench.tools.random_llama import LLAMA_1B
 
     rows = []
-    default_job = runner.job("qrt-start", "default model", 1, qrt_cache=work / "depth-default", quant=None,
+    default_job = runner.job("qrt-start", "default model", 1, qrt_cache=work / "depth-default", quant="none",
                              build="regional")
     rows.append({"label": "default model (30 layers)", "job": default_job})
     for layers in DEPTHS:
