@@ -82,9 +82,16 @@ def dequantize(packed: torch.Tensor, scale_offsets: torch.Tensor) -> torch.Tenso
     blocks, half_k = packed.shape[:2]
     n, k, groups = blocks * OUTPUTS_PER_BLOCK, 2 * half_k, scale_offsets.shape[1]
     codes = packed.permute(0, 2, 1, 3).reshape(n, groups, k // groups)  # [N, groups, g]
-    pairs = scale_offsets.permute(0, 2, 1, 3).reshape(n, groups, 1, 2).float()  # [N, groups, 1, 2]
-    weight = codes.float() * pairs[..., 0] + pairs[..., 1]  # [N, groups, g] fp32
-    return weight.reshape(n, k).to(scale_offsets.dtype)
+    pairs = scale_offsets.permute(0, 2, 1, 3).reshape(n, groups, 2)  # [N, groups, 2]
+    return _values(codes, pairs)  # [N, K]
+
+
+def _values(codes: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """Codes [..., groups, g] and their groups' (scale, offset) [..., groups, 2] -> the weights
+    [..., groups * g] in the pairs' dtype: code * scale + offset in fp32, rounded once."""
+    scales_offsets = pairs.float()
+    values = codes.float() * scales_offsets[..., :1] + scales_offsets[..., 1:]  # [..., groups, g] fp32
+    return values.flatten(-2).to(pairs.dtype)
 
 
 def int8_groups_linear(x, packed, scale_offsets, perm, bias):
@@ -132,7 +139,7 @@ class Int8GroupsLayout(Layout):
 
     def rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         """Row n is lane n % 64 of block n // 64 in both tensors: a strided gather of its K codes
-        and K / g (scale, offset) pairs, code * scale + offset in fp32, rounded once, as `dequantize`."""
+        and K / g (scale, offset) pairs, dequantized as `dequantize` does."""
         if layer.perm is not None:  # K permuted (act order): the rows would come out in that order
             raise NotImplementedError("int8groups rows of a weight with permuted input channels")
         packed, scale_offsets = layer.weight, layer.scale_offsets
@@ -140,9 +147,7 @@ class Int8GroupsLayout(Layout):
         block, lane = ids // OUTPUTS_PER_BLOCK, ids % OUTPUTS_PER_BLOCK
         # Advanced indices apart from the slice between them put the ids' dims first.
         codes = packed[block, :, lane].reshape(*ids.shape, groups, k // groups)  # [..., K / g, g]
-        pairs = scale_offsets[block, :, lane].float()  # [..., K / g, 2]
-        values = codes.float() * pairs[..., :1] + pairs[..., 1:]  # [..., K / g, g] fp32
-        return values.reshape(*ids.shape, k).to(scale_offsets.dtype)
+        return _values(codes, scale_offsets[block, :, lane])  # [..., K]
 
 
 declare(Kernel(
