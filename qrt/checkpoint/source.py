@@ -66,7 +66,7 @@ class GgufCheckpoint:
     def load_tokenizer(self):
         from qrt.checkpoint.gguf_tokenizer import read_gguf_tokenizer
 
-        return read_gguf_tokenizer(self.path)
+        return read_gguf_tokenizer(self.path, self.file.config)
 
 
 def open_checkpoint(path, load_config: LoadConfig, keep_quantized: bool = True):
