@@ -147,22 +147,32 @@ BLOCK_TYPES = {t.name: t for t in (
 )}
 
 
+# Rows are decoded a slice at a time into the transposed codes: decoding a whole tensor at once
+# held its codes twice more ([N, K], then the transpose), the load's peak on a large output layer.
+ROWS_PER_SLICE = 4096
+
+
 def decode_blocks(blocks: torch.Tensor, ggml_type: str, k: int) -> IntWeights:
     """A tensor's blocks, uint8 [N, K / weights, bytes] (or [N, K / weights · bytes], as gguf-py
     writes them), as IntWeights (q [K, N])."""
     kind = BLOCK_TYPES[ggml_type]
     n = blocks.shape[0]
-    grid = blocks.reshape(n, k // kind.weights, kind.bytes)  # [N, B, bytes]
-    q, scales, offsets = kind.decode(grid)
     groups = k // kind.group_size
-    q, scales, offsets = q.reshape(n, k), scales.reshape(n, groups), offsets.reshape(n, groups)
+    grid = blocks.reshape(n, k // kind.weights, kind.bytes)  # [N, B, bytes]
+    q = torch.empty(k, n, dtype=torch.uint8)  # [K, N]
+    scales = torch.empty(n, groups)  # [N, K / g] fp32
+    offsets = torch.empty(n, groups)
+    for start in range(0, n, ROWS_PER_SLICE):
+        rows = slice(start, min(start + ROWS_PER_SLICE, n))
+        codes, slice_scales, slice_offsets = kind.decode(grid[rows])
+        q[:, rows] = codes.reshape(-1, k).t()
+        scales[rows], offsets[rows] = slice_scales.reshape(-1, groups), slice_offsets.reshape(-1, groups)
     # scale · q + offset = scale · (q − zero) with zero = −offset / scale; a group of scale 0 is its
     # offset throughout: codes 1, scale offset, zero 0.
     flat = scales == 0  # [N, K / g]
     if bool(flat.any()):  # rare: spare the common case passes over the codes
         by_group = (flat & (offsets != 0)).repeat_interleave(kind.group_size, dim=1)  # [N, K]
-        q = torch.where(by_group, torch.ones_like(q), q)
+        q = torch.where(by_group.t(), torch.ones_like(q), q)
     zeros = torch.where(flat, torch.zeros_like(scales), -offsets / torch.where(flat, torch.ones_like(scales), scales))
     scales = torch.where(flat, offsets, scales)
-    return IntWeights(q.t().contiguous(), scales.t().contiguous(), zeros.t().contiguous(), kind.bits,
-                      kind.group_size)
+    return IntWeights(q, scales.t().contiguous(), zeros.t().contiguous(), kind.bits, kind.group_size)

@@ -36,6 +36,7 @@ MIN_GROUP = 16
 # The exact route's cost grows with M, the dequantized one's barely: the int4 kernel on the same loop
 # crossed over between 16 and 32 rows, and a rough probe of this one did too (docs/cpu-kernels.md).
 MIN_ROWS_DEQUANTIZED = 32
+BLOCKS_PER_SLICE = 64  # pack_codes' slice: 4096 outputs
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define("int8_groups_linear(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? perm, Tensor? bias) -> Tensor")
@@ -62,10 +63,16 @@ def code_centre(q: torch.Tensor, zeros: torch.Tensor) -> int:
 def pack_codes(q: torch.Tensor, centre: int) -> torch.Tensor:
     """Codes q [K, N] (unsigned) -> int8 [N / 64, K / 2, 64, 2], element (b, j, d, t) = q[2 j + t, 64 b + d] - c."""
     k, n = q.shape
-    # In bytes (a 49152-row lm_head's wider temporaries were its load's peak): q - c wraps modulo
-    # 256 in uint8, which read as int8 is q - c itself, as it lies in int8's range.
-    signed = (q.to(torch.uint8) - centre % 256).view(torch.int8)  # [K, N]
-    return signed.view(k // 2, 2, n // OUTPUTS_PER_BLOCK, OUTPUTS_PER_BLOCK).permute(2, 0, 3, 1).contiguous()
+    packed = torch.empty(n // OUTPUTS_PER_BLOCK, k // 2, OUTPUTS_PER_BLOCK, 2, dtype=torch.int8)
+    # A slice of outputs at a time and in bytes: whole-weight temporaries were the load's peak on a
+    # 49152-row lm_head. q - c wraps modulo 256 in uint8, which read as int8 is q - c itself, as it
+    # lies in int8's range.
+    for first in range(0, n // OUTPUTS_PER_BLOCK, BLOCKS_PER_SLICE):
+        blocks = slice(first, min(first + BLOCKS_PER_SLICE, n // OUTPUTS_PER_BLOCK))
+        columns = q[:, blocks.start * OUTPUTS_PER_BLOCK:blocks.stop * OUTPUTS_PER_BLOCK]  # [K, n']
+        signed = (columns.to(torch.uint8) - centre % 256).view(torch.int8)  # [K, n']
+        packed[blocks] = signed.view(k // 2, 2, -1, OUTPUTS_PER_BLOCK).permute(2, 0, 3, 1)
+    return packed
 
 
 def pack_scale_offsets(scales: torch.Tensor, zeros: torch.Tensor, centre: int, dtype: torch.dtype) -> torch.Tensor:
