@@ -5,6 +5,7 @@ clears entries."""
 import json
 
 import pytest
+import torch
 
 from helpers.checkpoints.tiny import edited_copy
 from helpers.graph_checks import assert_one_graph_per_role, decode_without_recompiles
@@ -131,3 +132,27 @@ def test_no_cache_and_frozen_builds_write_no_entry(llama_dir, cache_dir):
     assert start(llama_dir, cache=False, progress=False).cache_hit is False
     assert start(llama_dir, build="frozen", progress=False).compile_cache is None
     assert not (cache_dir / "compiled").exists()
+
+
+@pytest.mark.slow  # three starts of the tiny model (about 20 s); `qrt generate` runs this path in test_cli
+def test_lazy_prefill_compiles_decode_alone_and_the_entry_gains_prefill_later(llama_dir, cache_dir, capfd):
+    long_prompt = PROMPT * 3  # 15 tokens
+    lazy = start(llama_dir, lazy_prefill=len(PROMPT))
+    assert set(lazy.compile_seconds) == {"decode"} and lazy.compile_report()["prefill"] == 0
+    short_by_decode = lazy.prefill_chunk(PROMPT, 0, 0)
+    assert lazy.compile_report()["prefill"] == 0  # the short prompt ran through the decode graph
+    long_by_prefill = lazy.prefill_chunk(long_prompt, 0, 0)
+    assert "compiling prefill (the first prompt longer than 5 tokens)" in capfd.readouterr().err
+    assert lazy.compile_report()["prefill"] == 1
+    assert lazy.prefill_chunk(long_prompt[:9], 0, 0).shape == long_by_prefill.shape  # no recompile: still 1
+    assert lazy.compile_report()["prefill"] == 1
+
+    # A start without lazy_prefill finds both graphs in the entry, which gained prefill later.
+    full = start(llama_dir)
+    assert full.cache_hit is True and full.loaded_roles == {"prefill", "decode"} and full.compile_seconds == {}
+    assert torch.equal(full.prefill_chunk(long_prompt, 0, 0), long_by_prefill)
+    # The decode graph's logits for a prompt fed a token a step are the prefill graph's within
+    # float32 rounding (the tiny model's dtype): the attention and the matmuls sum in other
+    # orders. The same prompt one position on differs by 0.25.
+    by_prefill = full.prefill_chunk(PROMPT, 0, 0)
+    assert (short_by_decode - by_prefill).norm() / by_prefill.norm() < 1e-5

@@ -50,6 +50,7 @@ def compile_model(
     tp: int = 1,
     speculative: dict | SpeculativeConfig | None = None,
     revision: str | None = None,
+    lazy_prefill: int = 0,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint, quantize or repack it, and compile it.
 
@@ -76,6 +77,10 @@ def compile_model(
     "num_speculative_tokens": 3} (vLLM's names; runtime/speculative.py). A draft is compiled here
     with this model's slots and cache length, and must share its tokenizer. Greedy output is
     unchanged; sampled output keeps its distribution.
+    lazy_prefill: prompts (and prompt chunks) of up to this many tokens run through the decode
+    graph, a token a step, and the prefill graph is compiled only when a longer one comes: a
+    one-off generate of a short prompt then compiles one graph instead of two (`qrt generate`
+    uses 64). 0: prefill graph for every prompt, compiled by warmup.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -120,12 +125,13 @@ def compile_model(
         use_qrt_inductor_dir()
     compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
                              compile=compile, build=build, autotune=autotune, progress=progress,
-                             source=Path(path), compile_cache=compile_cache, speculative=speculative)
+                             source=Path(path), compile_cache=compile_cache, speculative=speculative,
+                             lazy_prefill=lazy_prefill)
     if speculative is not None and speculative.method == "draft":
         if parallel.sharded:
             raise ValueError("speculative method 'draft' does not run under tensor parallelism yet; use 'ngram'")
         compiled.draft = _compile_draft(speculative, compiled, path, quant, compile=compile, warmup=warmup,
-                                        build=build, cache=cache, progress=progress)
+                                        build=build, cache=cache, progress=progress, lazy_prefill=lazy_prefill)
     if compile and warmup:
         compiled.warmup()
     return compiled

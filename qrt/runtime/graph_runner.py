@@ -71,7 +71,8 @@ class GraphRunner:
 
     def __init__(self, model, *, compile: bool, progress: bool, source, build: str = "regional",
                  autotune: bool = False, compile_cache: CompileCache | None = None,
-                 speculative: SpeculativeConfig | None = None, quant_description: str = ""):
+                 speculative: SpeculativeConfig | None = None, quant_description: str = "",
+                 lazy_prefill: int = 0):
         self.model = model
         self.source = Path(source)
         self.quant_description = quant_description  # the scheme's, recorded with the compile cache entry
@@ -86,6 +87,9 @@ class GraphRunner:
         self.build = build
         self.compile_cache = compile_cache
         self.speculative = speculative
+        # Prompt chunks of up to this many tokens run through the decode graph, a token a step,
+        # and the prefill graph is compiled when a longer one first comes (compile_model's doc).
+        self.lazy_prefill = lazy_prefill
         self.draft: GraphRunner | None = None  # the draft model of speculative method "draft"
         # Whether the graphs of one slot alone give the same bits as that slot's row of the graphs
         # of every slot (warmup checks it): then the engine may run one decoding request through
@@ -96,6 +100,7 @@ class GraphRunner:
         # What each KV-cache slot holds for prompts that start the same (prefix_cache.py): kept
         # with the cache, since any engine, or a direct prefill_chunk / decode_step, writes it.
         self.prefix_cache = PrefixCache(self.max_batch_size)
+        self.compiles = compile
         model.compile_layers_once = compile and build == "regional"
         freeze = build == "frozen" and self.device.type == "cpu"
         # Whether the compile cache keeps the step graphs themselves, so that a later start calls
@@ -116,6 +121,9 @@ class GraphRunner:
         # them off for a while.
         self.direct: dict[str, DirectGraph] = {}
         self.loaded_roles: set[str] = set()  # the roles whose graphs came from the compile cache untraced
+        # What the compile cache entry holds or will hold, by role (_store_compiled_graphs): the
+        # graphs it came with and those compiled since, so that an entry grows by a late graph.
+        self._saved_graphs: dict[str, dict] = {}
         self._guarded = False
         # One function may serve two roles: own_copy gives each role its own code object.
         fns = {"prefill": _prefill, "decode": _decode, "decode_slot": _one_slot, "verify": _decode,
@@ -135,9 +143,45 @@ class GraphRunner:
         """Run prompt tokens at positions start.. into cache slot `slot`, attending over the
         cache up to them; float32 logits [V] of the last one. with_hidden: also the final hidden
         states of every token ([T, D]), for `position_logits`."""
+        if not with_hidden and len(tokens) <= self.lazy_prefill:
+            return self._prefill_by_decode(tokens, start, slot)
+        if self.lazy_prefill and self._never_compiled("prefill"):
+            self._compile_prefill_in_place(start, slot)
+        return self._prefill(tokens, start, slot, with_hidden)
+
+    def _prefill(self, tokens: list[int], start: int, slot: int, with_hidden: bool):
         self.prefix_cache.overwritten(slot, start)
         logits, hidden = self._graph("prefill", self._prefill_inputs(tokens, start, slot))
         return (logits[0, 0], hidden[0, :len(tokens)]) if with_hidden else logits[0, 0]
+
+    def _prefill_by_decode(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
+        """prefill_chunk through the decode graph, one token a step (the other slots idle, or the
+        one-slot graph where it gives the same bits); float32 logits [V] of the last token."""
+        for position, token in enumerate(tokens, start):
+            if self.one_slot_exact:
+                logits = self.decode_slot(slot, token, position)
+            else:
+                rows, positions = self.idle_decode_rows()
+                rows[slot], positions[slot] = token, position
+                logits = self.decode_step(rows, positions, position + 1)[slot]
+        return logits
+
+    def _never_compiled(self, role: str) -> bool:
+        return self.compiles and role not in self.direct and self.backends[role].last_compiled is None
+
+    def _compile_prefill_in_place(self, start: int, slot: int) -> None:
+        """Compile the prefill graph before the first chunk longer than `lazy_prefill` runs, as
+        warmup would: on two filler tokens, here at positions start + 1 and start + 2 of the
+        chunk's own slot, which the chunk (of more tokens) overwrites next. The offset keeps the
+        chunk and attended lengths apart (see _warm). The compile cache entry then gains it."""
+        self._say("qrt: compiling prefill (the first prompt longer than "
+                  f"{self.lazy_prefill} tokens) …")
+        started = time.perf_counter()
+        self._prefill([0, 0], start + 1, slot, with_hidden=False)
+        self.compile_seconds["prefill"] = time.perf_counter() - started
+        self._say(f"qrt: compiled prefill in {self.compile_seconds['prefill']:.1f} s")
+        if self.compile_cache is not None and self.saves_graphs:
+            self._store_compiled_graphs(("prefill",), self.compile_seconds["prefill"])
 
     def position_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The float32 logits [T, V] of final hidden states [T, D] from `prefill_chunk`: the
@@ -338,23 +382,24 @@ class GraphRunner:
         # (torch versions without it record the whole process's, which is safe, only larger).
         with getattr(CacheArtifactManager, "with_fresh_cache", contextlib.nullcontext)():
             roles = self._roles()
-            for role in roles:
-                if role in self.loaded_roles:
-                    continue
+            compiled_now = tuple(role for role in roles if role not in self.loaded_roles)
+            # An entry of graphs that lacks one (made with lazy_prefill, say) gains it now.
+            grows = loaded is not None and self.saves_graphs and bool(compiled_now)
+            for role in compiled_now:
                 role_started = time.perf_counter()
-                if loaded is None:
+                if loaded is None or grows:
                     self._say(f"qrt: compiling {role} …")
                 self._warm(role)
                 self.compile_seconds[role] = time.perf_counter() - role_started
-                if loaded is None:
+                if loaded is None or grows:
                     self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
             if "decode_slot" in roles:
                 self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
-            if loaded is not None:
+            if loaded is not None and not grows:
                 self._say(f"qrt: loaded compiled graphs from cache in {total:.1f} s")
             elif self.compile_cache is not None:
-                self._store_compiled_graphs(roles, total)
+                self._store_compiled_graphs(compiled_now, total)
 
     def _one_slot_matches(self) -> bool:
         """Whether decode_slot (and verify_slot) give slot 0 the bits that the graphs of every
@@ -368,11 +413,11 @@ class GraphRunner:
                            self.verify_slot(0, tokens[0], positions[0], attended))
 
     def _roles(self) -> tuple[str, ...]:
-        """The graphs warmup compiles: prefill and decode; with several slots, decode of one slot
+        """The graphs warmup compiles: prefill (unless lazy_prefill) and decode; with several slots, decode of one slot
         alone (not for sharded ranks, which would each check it for themselves and must run the
         same graphs); with speculative decoding, the verify graphs."""
         one_slot = self.max_batch_size > 1 and not self.parallel.sharded
-        roles = ("prefill", "decode") + (("decode_slot",) if one_slot else ())
+        roles = (() if self.lazy_prefill else ("prefill",)) + ("decode",) + (("decode_slot",) if one_slot else ())
         if self.speculative:
             roles += ("verify",) + (("verify_slot",) if one_slot else ())
         return roles
@@ -382,7 +427,7 @@ class GraphRunner:
         the cache before reading it). Prefill runs a chunk at an offset, so that Dynamo sees the
         chunk length and the attended length as two sizes, not one."""
         if role == "prefill":
-            self.prefill_chunk([0, 0], 1, 0)
+            self._prefill([0, 0], 1, 0, with_hidden=False)
         elif role == "decode":
             self.decode(torch.zeros(1, 1, dtype=torch.long), 2)
         elif role == "decode_slot":
@@ -433,22 +478,25 @@ class GraphRunner:
             saved["report"].loaded = True
             self.backends[role].log.graphs[:] = [saved["report"]]
             self.loaded_roles.add(role)
+            self._saved_graphs[role] = saved
 
     def _forget_loaded_graphs(self) -> None:
         for role in self.loaded_roles:
             self.direct.pop(role, None)
             self.backends[role].log.graphs.clear()
         self.loaded_roles.clear()
+        self._saved_graphs.clear()
 
     def _store_compiled_graphs(self, roles: tuple[str, ...], seconds: float) -> None:
-        """Write the cache entry: the roles' graphs and how to call them where the backends
-        saved them (`saves_graphs`; a role without them is traced again at the next start),
-        else torch's own cache artifacts."""
+        """Write the cache entry: the graphs of `roles`, just compiled, beside those it held, and
+        how to call them where the backends saved them (`saves_graphs`; a role without them is
+        traced again at the next start), else torch's own cache artifacts."""
         if self.saves_graphs:
-            graphs = {role: {"artifact": self.backends[role].last_compiled.artifact, "spec": self.direct[role].spec,
-                             "report": self.backends[role].log.graphs[-1]}
-                      for role in roles if role in self.direct and getattr(self.backends[role].last_compiled, "artifact", None)}
-            payload, kind = pickle.dumps(graphs), "graphs"
+            self._saved_graphs.update(
+                {role: {"artifact": self.backends[role].last_compiled.artifact, "spec": self.direct[role].spec,
+                        "report": self.backends[role].log.graphs[-1]}
+                 for role in roles if role in self.direct and getattr(self.backends[role].last_compiled, "artifact", None)})
+            payload, kind = pickle.dumps(self._saved_graphs), "graphs"
         else:
             saved = torch.compiler.save_cache_artifacts()
             if saved is None:
