@@ -3,6 +3,11 @@ against gguf-py's reader and transformers' AutoConfig, on written tiny models an
 model's GGUF."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import gguf
@@ -114,3 +119,30 @@ def test_a_truncated_gguf_is_a_checkpoint_error_naming_it(tmp_path, keep):
     cut.write_bytes(data[:int(len(data) * keep) if keep < 1 else keep])
     with pytest.raises(CheckpointError, match="cut.gguf.*truncated"):
         read_gguf_header(cut)
+
+
+@pytest.mark.slow  # two fresh processes per file (about 30 s in all)
+def test_the_name_map_is_kept_and_a_later_load_imports_no_modeling_code(gguf_path, tmp_path):
+    """The GGUF -> Hugging Face name map comes from transformers' map once; a later process reads
+    it from qrt's cache, equal, without building a transformers model (whose modeling code costs
+    about 40 MiB resident)."""
+    probe = textwrap.dedent(f"""
+        import json, sys
+        import torch
+        from qrt.checkpoint.config import LoadConfig
+        from qrt.checkpoint.source import open_checkpoint
+        checkpoint = open_checkpoint({str(gguf_path)!r}, LoadConfig())
+        names = sorted(name for _, name, _ in checkpoint.tensors(torch.bfloat16))
+        print(json.dumps({{"names": names, "modeling": "transformers.modeling_utils" in sys.modules}}))
+    """)
+    env = {**os.environ, "QRT_CACHE_DIR": str(tmp_path / "cache")}
+
+    def load() -> dict:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, later = load(), load()
+    assert first["modeling"] and not later["modeling"]
+    assert later["names"] == first["names"] and any(".layers.0." in name for name in first["names"])
+    assert len(list((tmp_path / "cache" / "gguf-names").glob("*.json"))) == 1
