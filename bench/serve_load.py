@@ -13,6 +13,9 @@ after another, streamed, greedy, with a prompt from the eval text of a length dr
 - TTFT p50/p99: from sending a request to its first text;
 - ITL p50/p99: between consecutive text chunks of one request (one chunk is one token unless a
   character spans tokens);
+- TPOT p50: time per output token, a request's first text to its last over the tokens after
+  the first, the median over requests (where a step sends several tokens at once, ITL's median
+  can be a zero gap inside such a burst; TPOT counts every token);
 - failures: any status but 200, a stream without [DONE], or a transport error.
 Then a soak (--soak seconds, --soak-clients clients) in which about --cancel-rate of the requests
 are abandoned on purpose: streams closed after a few chunks, or non-streaming requests whose client
@@ -156,10 +159,12 @@ class ServerProcess:
 
 
 def prompts(lengths: list[int], seed: int, shared_prefix: int = 0, grounded: bool = False):
-    """Endless prompts from the eval text, each of a length drawn from `lengths` (in tokens,
-    approximately), starting at a random place, after the text's first `shared_prefix` tokens
-    (the same for every prompt). grounded: each passage is followed by a blank line and its own
-    first quarter, so that the completion goes on copying it."""
+    """Endless (prompt, most new tokens or None) from the eval text, each of a length drawn from
+    `lengths` (in tokens, approximately), starting at a random place, after the text's first
+    `shared_prefix` tokens (the same for every prompt). grounded: each passage is followed by a
+    blank line and its own first quarter, so that the completion goes on copying it, and asks
+    for at most the tokens left of the passage (its other three quarters): the answer is the
+    copy, not free text after it (a 16-token passage leaves 12 to copy of --max-tokens 64)."""
     text = EVAL_TEXT.read_text(encoding="utf-8")
     prefix = text[:shared_prefix * CHARS_PER_TOKEN]
     rng = random.Random(seed)
@@ -167,7 +172,10 @@ def prompts(lengths: list[int], seed: int, shared_prefix: int = 0, grounded: boo
         size = rng.choice(lengths) * CHARS_PER_TOKEN
         start = rng.randrange(len(prefix), len(text) - size)
         passage = text[start:start + size]
-        yield prefix + (f"{passage}\n\n{passage[:size // 4]}" if grounded else passage)
+        if grounded:
+            yield prefix + f"{passage}\n\n{passage[:size // 4]}", max(1, (size - size // 4) // CHARS_PER_TOKEN)
+        else:
+            yield prefix + passage, None
 
 
 class Client:
@@ -191,14 +199,15 @@ class Client:
                 else:
                     self.records.append(self.stream(http, prompt))
 
-    def body(self, prompt: str, stream: bool) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": stream}
+    def body(self, prompt: tuple[str, int | None], stream: bool) -> dict:
+        text, most = prompt
+        body = {"model": self.model, "prompt": text, "max_tokens": min(self.max_tokens, most or self.max_tokens),
+                "temperature": 0, "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def stream(self, http, prompt: str) -> dict:
+    def stream(self, http, prompt: tuple[str, int | None]) -> dict:
         record = {"sent": time.monotonic(), "ok": False, "chunks": [], "tokens": None}
         try:
             with http.stream("POST", self.url + "/v1/completions", json=self.body(prompt, True)) as reply:
@@ -224,7 +233,7 @@ class Client:
             record["tokens"] = len(record["chunks"])
         return record
 
-    def abandon(self, http, prompt: str) -> dict:
+    def abandon(self, http, prompt: tuple[str, int | None]) -> dict:
         """A request given up on purpose: a stream closed after a few chunks, or a whole
         completion waited for only briefly."""
         record = {"sent": time.monotonic(), "abandoned": True}
@@ -273,12 +282,17 @@ def summarize(records: list[dict], start: float, end: float) -> dict:
     window = max([end] + [r["done"] for r in finished]) - start
     ttft = [r["chunks"][0] - r["sent"] for r in measured if r.get("ok") and r["chunks"]]
     itl = [b - a for r in measured if r.get("ok") for a, b in zip(r["chunks"], r["chunks"][1:])]
+    # Time per output token: a request's first text to its last over the tokens between. Where a
+    # step sends several tokens at once (speculative decoding), ITL's median can be a burst's
+    # zero gap; this one counts every token.
+    tpot = [(r["chunks"][-1] - r["chunks"][0]) / (r["tokens"] - 1) for r in measured
+            if r.get("ok") and len(r["chunks"]) > 1 and r["tokens"] > 1]
     return {
         "requests": len(measured), "window_s": window, "failures": len(failed),
         "failure_examples": [r.get("error") or r.get("status") for r in failed[:3]],
         "output_tok_s": sum(r["tokens"] for r in finished) / window,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99), "tpot_p50_s": percentile(tpot, 50),
     }
 
 
@@ -383,10 +397,10 @@ def print_report(report: dict) -> None:
         def ms(v):
             return "-" if v is None else f"{v * 1000:.0f}"
         rows.append((row["engine"], str(row["clients"]), f"{row['output_tok_s']:.1f}", ms(row["ttft_p50_s"]),
-                     ms(row["ttft_p99_s"]), ms(row["itl_p50_s"]), ms(row["itl_p99_s"]), str(row["requests"]),
-                     str(row["failures"])))
+                     ms(row["ttft_p99_s"]), ms(row["itl_p50_s"]), ms(row["itl_p99_s"]), ms(row["tpot_p50_s"]),
+                     str(row["requests"]), str(row["failures"])))
     print_table(("engine", "clients", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                 "requests", "failures"), rows)
+                 "TPOT p50 ms", "requests", "failures"), rows)
     for check, verdict in report["targets"].items():
         print(f"target {check}: {verdict}")
     if report.get("soak"):

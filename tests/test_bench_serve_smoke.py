@@ -30,7 +30,7 @@ def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
     assert report["prompt_tokens"] > 0 and "prefix caching:" in result.stdout
     for row in report["levels"]:
         assert row["failures"] == 0 and row["requests"] >= 1 and row["output_tok_s"] > 0, row
-        assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] > 0
+        assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] > 0 and row["tpot_p50_s"] > 0
     soak = report["soak"]
     assert soak["failures"] == 0 and soak["abandoned"] >= 1, soak
     assert soak["active_slots_after"] == 0 and soak["queue_depth_after"] == 0
