@@ -203,7 +203,8 @@ GENERATE_LAZY_PREFILL = 64
 
 
 def _generate(args) -> int:
-    model = _compile(args, compile=not args.eager, speculative=_speculative(args), lazy_prefill=GENERATE_LAZY_PREFILL)
+    model = _compile(args, compile=not args.eager, speculative=_speculative(args),
+                     lazy_prefill=GENERATE_LAZY_PREFILL)
     chat = not args.no_chat and model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
     if model.parallel.rank != 0:  # every rank decodes the same tokens; rank 0 shows them
         model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -6,8 +6,9 @@ build a config, only to pick the tokenizer class: about 5 s and a few hundred Mi
 vocabulary. qrt already holds the config (gguf_config.py), so it picks the class from it as
 AutoTokenizer would and lets that class read the tokenizer fields (0.3 s); where AutoTokenizer
 would look further (a tokenizer_config.json beside the file, a config naming its tokenizer
-class), AutoTokenizer builds it. Loading the saved tokenizer takes a fraction of a second. An entry is keyed by the file's resolved path, size and
-modification time and by transformers' version, so a changed file or library builds it again.
+class), AutoTokenizer builds it. Loading the saved tokenizer takes a fraction of a second. An
+entry is keyed by the file's resolved path, size and modification time and by transformers'
+version, so a changed file or library builds it again.
 """
 
 import hashlib

@@ -174,8 +174,7 @@ class GraphRunner:
         warmup would: on two filler tokens, here at positions start + 1 and start + 2 of the
         chunk's own slot, which the chunk (of more tokens) overwrites next. The offset keeps the
         chunk and attended lengths apart (see _warm). The compile cache entry then gains it."""
-        self._say("qrt: compiling prefill (the first prompt longer than "
-                  f"{self.lazy_prefill} tokens) …")
+        self._say(f"qrt: compiling prefill (the first prompt longer than {self.lazy_prefill} tokens) …")
         started = time.perf_counter()
         self._prefill([0, 0], start + 1, slot, with_hidden=False)
         self.compile_seconds["prefill"] = time.perf_counter() - started
@@ -413,9 +412,9 @@ class GraphRunner:
                            self.verify_slot(0, tokens[0], positions[0], attended))
 
     def _roles(self) -> tuple[str, ...]:
-        """The graphs warmup compiles: prefill (unless lazy_prefill) and decode; with several slots, decode of one slot
-        alone (not for sharded ranks, which would each check it for themselves and must run the
-        same graphs); with speculative decoding, the verify graphs."""
+        """The graphs warmup compiles: prefill (unless lazy_prefill) and decode; with several
+        slots, decode of one slot alone (not for sharded ranks, which would each check it for
+        themselves and must run the same graphs); with speculative decoding, the verify graphs."""
         one_slot = self.max_batch_size > 1 and not self.parallel.sharded
         roles = (() if self.lazy_prefill else ("prefill",)) + ("decode",) + (("decode_slot",) if one_slot else ())
         if self.speculative:
