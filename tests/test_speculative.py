@@ -195,6 +195,29 @@ def test_a_checked_guess_is_distributed_as_the_model_samples():
             assert all(agreed == (token == guess) for token, agreed in draws)
 
 
+def test_a_guess_drawn_from_a_proposal_is_checked_into_the_models_distribution():
+    """Guesses drawn from another distribution q (a draft's), checked with min(1, p / q) and the
+    residual max(0, p - q): the tokens are distributed as p, and a guess is kept as often as
+    the two distributions overlap (the sum of min(p, q)). The rule for a guess proposed with
+    certainty also gives p whatever the guesses, but keeps them with the sum of p·q (0.09–0.23
+    here, against 0.52–0.68): the rate kept is what tells the rules apart."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, generator=generator) * 1.5
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5),
+                   SamplingParams(temperature=1.3, top_p=0.7)):
+        p = probabilities(logits[None], params)[0]
+        q = probabilities((logits + torch.randn(12, generator=generator))[None], SamplingParams(temperature=1.0))[0]
+        draws = []
+        for _ in range(4000):
+            guess = int(torch.multinomial(q, 1, generator=generator))
+            draws.append(check_guess(logits, params, generator, guess, proposal=q))
+        counts = torch.bincount(torch.tensor([token for token, _ in draws]), minlength=12).double()
+        assert _chi_square_p(counts, p.double() * len(draws)) > P_VALUE_FLOOR, params
+        kept = sum(agreed for _, agreed in draws) / len(draws)
+        overlap = float(torch.minimum(p, q).sum())
+        assert abs(kept - overlap) < 4 * (overlap * (1 - overlap) / len(draws)) ** 0.5 + 1e-3, (kept, overlap)
+
+
 @pytest.mark.slow  # 1500 seeded requests: `make test-slow`
 def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(model):
     """Two sampled tokens (top-3 of a random model), the second always a checked guess: their

@@ -6,12 +6,13 @@ cannot work are refused with what to change."""
 import shutil
 
 import pytest
+import torch
 
 from helpers.checkpoints.tiny import make_checkpoint
 from qrt import runtime
 from qrt.runtime.engine import Engine
-from qrt.runtime.sampling import SamplingParams
-from test_speculative import _looping_prompt, _run, always_checking
+from qrt.runtime.sampling import SamplingParams, probabilities
+from test_speculative import P_VALUE_FLOOR, _chi_square_p, _looping_prompt, _run, always_checking
 
 pytestmark = pytest.mark.slow  # three models compiled: `make test-slow`
 
@@ -85,3 +86,37 @@ def test_drafts_that_cannot_work_are_refused(folders, tmp_path):
     with pytest.raises(ValueError, match="a draft must share the model's tokenizer"):
         runtime.compile_model(folders / "model", progress=False, max_seq_len=MAX_SEQ_LEN,
                               speculative={"method": "draft", "model": str(tmp_path / "wide")})
+
+
+@pytest.mark.parametrize("which", ["copy", "other"])
+def test_sampled_tokens_with_sampled_draft_guesses_are_distributed_as_the_model_samples(which, request):
+    """A sampling request's guesses are drawn from the draft's distribution and checked with
+    min(1, p / q): two sampled tokens (top-3), the second a checked guess whenever the draft
+    guesses, against p(t1) · p(t2 | t1) over seeded draws. The copy keeps nearly every guess (q
+    is p up to rounding), where a guess proposed with certainty would be kept with p(guess)
+    alone; the other random model keeps fewer."""
+    model = request.getfixturevalue(f"with_{which}")
+    prompt = _looping_prompt(21, 30)
+    params = SamplingParams(temperature=1.0, top_k=3)
+
+    def distribution(ids):
+        return probabilities(model(torch.tensor([ids]))[0, -1][None], params)[0]
+
+    first = distribution(prompt)
+    following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
+    engine = always_checking(Engine(model))
+    draws = 1200
+    pairs = [tuple(_run(engine, [model.request(prompt, 3, SamplingParams(temperature=1.0, top_k=3, seed=seed),
+                                               stop_at_eos=False)])[0][:2]) for seed in range(draws)]
+    spec = engine.speculator
+    assert spec.checks >= draws
+    cells = [(a, b) for a, p in following.items() for b in p.nonzero().flatten().tolist()]
+    expected = torch.tensor([float(first[a] * following[a][b]) for a, b in cells], dtype=torch.float64)
+    observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
+    assert observed.sum() == draws
+    assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
+    kept = spec.accepted / spec.proposed
+    if which == "copy":
+        assert kept > 0.95, kept  # q is p up to rounding: min(1, p / q) keeps nearly all
+    else:
+        assert kept < 0.9, kept

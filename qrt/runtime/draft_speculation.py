@@ -8,13 +8,19 @@ went without guesses for a while), then decodes its guesses, all slots in one de
 token. Of its guesses it keeps in its cache the ones the check kept: the rest are overwritten
 later, as in the model's cache.
 
-The guesses are the draft's greedy choices, so the check treats each as a certain proposal
-(sampling.check_guess): the output is distributed as the model's whatever the draft says; a
-sampling request keeps fewer guesses than it would with guesses sampled from the draft.
+For a greedy request the guesses are the draft's greedy choices. For a sampling request each
+guess is drawn from the draft's own distribution q under the request's temperature, top-k and
+top-p, and the check keeps it with probability min(1, p / q) (sampling.check_guess): where the
+draft agrees with the model, most guesses are kept even at a high temperature, where a greedy
+guess would be kept only with the model's probability of it. Either way the output is
+distributed as the model's.
 """
 
 from dataclasses import dataclass, field
 
+import torch
+
+from .sampling import probabilities
 from .speculative import GuessState, Speculator, SpeculativeConfig
 
 # A request that went this many tokens without the draft (guesses off after misses, near its end)
@@ -30,6 +36,7 @@ class _DraftRow:
     position: int  # where the next fed token goes in the draft's cache
     limit: int  # guesses wanted
     guesses: list[int] = field(default_factory=list)
+    drawn_from: list = field(default_factory=list)  # a sampling request's: each guess's q [V]
 
 
 class DraftSpeculator(Speculator):
@@ -39,6 +46,7 @@ class DraftSpeculator(Speculator):
         and cache length)."""
         super().__init__(config)
         self.draft = draft
+        self._drawn_from: dict[int, list] = {}  # this step's sampled guesses' distributions, by id(seq)
 
     def prefilled(self, seq, tokens: list[int], start: int) -> None:
         state = seq.guessing
@@ -70,8 +78,24 @@ class DraftSpeculator(Speculator):
             for row in unfinished:
                 row.position += 1
                 if not row.feed:  # it was fed the step's token or a guess: what comes next is a guess
-                    row.guesses.append(int(logits[row.seq.slot].argmax()))
+                    row.guesses.append(self._guess(row, logits[row.seq.slot]))
+        self._drawn_from = {id(row.seq): row.drawn_from for row in active if row.drawn_from}
         return {id(row.seq): row.guesses for row in active}
+
+    @staticmethod
+    def _guess(row: _DraftRow, logits: torch.Tensor) -> int:
+        """The draft's next guess from its logits [V]: its argmax for a greedy request; for a
+        sampling one, a token drawn from q, the distribution the request's settings give the
+        draft's logits (kept for the check)."""
+        sampling = row.seq.request.sampling
+        if sampling.greedy:
+            return int(logits.argmax())
+        q = probabilities(logits[None], sampling)[0]  # [V]
+        row.drawn_from.append(q)
+        return int(torch.multinomial(q, 1, generator=row.seq.generator))
+
+    def proposals(self, seq) -> list | None:
+        return self._drawn_from.get(id(seq))
 
     def record(self, seq, guessed: int, accepted: int) -> None:
         super().record(seq, guessed, accepted)

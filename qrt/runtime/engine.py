@@ -389,8 +389,10 @@ class Engine:
 
     def _choose(self, seq: Sequence, logits: torch.Tensor, guesses: list[int]) -> list[int]:
         """The tokens this step gives `seq` from its logits [1 + len(guesses), V]: each guess the
-        model agrees with (sampling.check_guess), then one token of the model's own choice."""
+        model agrees with (sampling.check_guess, against the distribution the guess was drawn
+        from where the speculator sampled it), then one token of the model's own choice."""
         request, output, chosen = seq.request, list(seq.tokens), []
+        proposals = self.speculator.proposals(seq) if guesses else None
         for place, row in enumerate(logits):
             if request.sampling.adjusts:
                 row = adjusted(row, request.sampling, request.prompt, output, request.stop_ids)
@@ -399,7 +401,8 @@ class Engine:
                     row = seq.grammar.masked(row)
                 chosen.append(int(sample(row.view(1, -1), request.sampling, seq.generator)[0]))
                 break
-            token, agreed = check_guess(row, request.sampling, seq.generator, guesses[place])
+            token, agreed = check_guess(row, request.sampling, seq.generator, guesses[place],
+                                        proposals[place] if proposals else None)
             chosen.append(token)
             output.append(token)
             if not agreed:

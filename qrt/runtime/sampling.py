@@ -94,17 +94,28 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def check_guess(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                guess: int) -> tuple[int, bool]:
+                guess: int, proposal: torch.Tensor | None = None) -> tuple[int, bool]:
     """The token at a position where `guess` was proposed (logits [V] float32), and whether it is
-    the guess. Greedy: the argmax. Sampling: the guess is kept with probability p(guess) (the
-    rule min(1, p / q) for a guess q proposes with certainty); otherwise a token is drawn from p
-    without the guess, renormalized. Either way the token is distributed as p."""
+    the guess. Greedy: the argmax. Sampling, with p the distribution the request samples from:
+    the guess is kept with probability min(1, p(guess) / q(guess)), q being `proposal` [V], the
+    distribution the guess was drawn from (None: proposed with certainty, q(guess) = 1);
+    otherwise a token is drawn from max(0, p - q), renormalized (for a certain guess: p without
+    the guess). Either way the token is distributed as p."""
     if params.greedy:
         token = int(logits.argmax())
         return token, token == guess
     probs = probabilities(logits[None], params)[0]  # [V]
-    if float(torch.rand((), generator=generator)) < float(probs[guess]):
-        return guess, True
-    rest = probs.clone()
-    rest[guess] = 0
+    drawn = float(torch.rand((), generator=generator))
+    if proposal is None:
+        if drawn < float(probs[guess]):
+            return guess, True
+        rest = probs.clone()
+        rest[guess] = 0
+    else:
+        if drawn * float(proposal[guess]) < float(probs[guess]):  # u < p / q, without dividing by q
+            return guess, True
+        # p(guess) < q(guess) here, so p has mass where q has less; only rounding could leave none.
+        rest = (probs - proposal).clamp_(min=0)
+        if not float(rest.sum()) > 0:
+            rest = probs
     return int(torch.multinomial(rest, 1, generator=generator)), False

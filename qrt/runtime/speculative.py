@@ -199,6 +199,12 @@ class Speculator:
         return prompt_lookup(context, min(limit, config.num_speculative_tokens), config.prompt_lookup_max,
                              config.prompt_lookup_min)
 
+    def proposals(self, seq) -> list | None:
+        """The distributions [V] that this step's guesses of `seq` were drawn from, by place, for
+        the rejection rule (sampling.check_guess); None where each guess was proposed with
+        certainty (a lookup, a draft's greedy choice)."""
+        return None
+
     def prefilled(self, seq, tokens: list[int], start: int) -> None:
         """The engine prefilled `tokens` of `seq` from position `start` (a draft model follows)."""
 
