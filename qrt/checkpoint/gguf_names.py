@@ -12,12 +12,11 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from qrt.cache_dir import cache_root
+from qrt.cache_dir import cache_root, write_cache_file
 
 
 def hf_names(config, processor) -> dict[str, str]:
@@ -29,7 +28,7 @@ def hf_names(config, processor) -> dict[str, str]:
     except (OSError, ValueError):
         pass  # not built yet, or damaged: built again
     names = _built(config, processor)
-    _keep(record, names)
+    write_cache_file(record, json.dumps(names))
     return names
 
 
@@ -49,18 +48,6 @@ def _built(config, processor) -> dict[str, str]:
         names_model = AutoModelForCausalLM.from_config(config)
     with _name_tables_built_once():
         return get_gguf_hf_weights_map(names_model, processor)
-
-
-def _keep(record: Path, names: dict[str, str]) -> None:
-    """Written to a temporary file and renamed, so a reader never sees half of one; a cache that
-    cannot be written only costs the next load the build."""
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        temporary = record.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(names))
-        os.replace(temporary, record)
-    except OSError:
-        pass
 
 
 @contextlib.contextmanager

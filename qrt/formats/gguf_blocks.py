@@ -172,7 +172,7 @@ def decode_blocks(blocks: torch.Tensor, ggml_type: str, k: int) -> IntWeights:
     flat = scales == 0  # [N, K / g]
     if bool(flat.any()):  # rare: spare the common case passes over the codes
         by_group = (flat & (offsets != 0)).repeat_interleave(kind.group_size, dim=1)  # [N, K]
-        q = torch.where(by_group.t(), torch.ones_like(q), q)
+        q.masked_fill_(by_group.t(), 1)
     zeros = torch.where(flat, torch.zeros_like(scales), -offsets / torch.where(flat, torch.ones_like(scales), scales))
     scales = torch.where(flat, offsets, scales)
     return IntWeights(q, scales.t().contiguous(), zeros.t().contiguous(), kind.bits, kind.group_size)

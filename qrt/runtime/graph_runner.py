@@ -4,6 +4,7 @@ cache. The engine drives a model through it, one step at a time; `CompiledModel`
 adds the tokenizer, the request checks and `generate` on top."""
 
 import contextlib
+import functools
 import itertools
 import pickle
 import sys
@@ -174,11 +175,8 @@ class GraphRunner:
         warmup would: on two filler tokens, here at positions start + 1 and start + 2 of the
         chunk's own slot, which the chunk (of more tokens) overwrites next. The offset keeps the
         chunk and attended lengths apart (see _warm). The compile cache entry then gains it."""
-        self._say(f"qrt: compiling prefill (the first prompt longer than {self.lazy_prefill} tokens) …")
-        started = time.perf_counter()
-        self._prefill([0, 0], start + 1, slot, with_hidden=False)
-        self.compile_seconds["prefill"] = time.perf_counter() - started
-        self._say(f"qrt: compiled prefill in {self.compile_seconds['prefill']:.1f} s")
+        self._compile("prefill", lambda: self._prefill([0, 0], start + 1, slot, with_hidden=False), say=True,
+                      why=f" (the first prompt longer than {self.lazy_prefill} tokens)")
         if self.compile_cache is not None and self.saves_graphs:
             self._store_compiled_graphs(("prefill",), self.compile_seconds["prefill"])
 
@@ -385,13 +383,7 @@ class GraphRunner:
             # An entry of graphs that lacks one (made with lazy_prefill, say) gains it now.
             grows = loaded is not None and self.saves_graphs and bool(compiled_now)
             for role in compiled_now:
-                role_started = time.perf_counter()
-                if loaded is None or grows:
-                    self._say(f"qrt: compiling {role} …")
-                self._warm(role)
-                self.compile_seconds[role] = time.perf_counter() - role_started
-                if loaded is None or grows:
-                    self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
+                self._compile(role, functools.partial(self._warm, role), say=loaded is None or grows)
             if "decode_slot" in roles:
                 self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
@@ -399,6 +391,17 @@ class GraphRunner:
                 self._say(f"qrt: loaded compiled graphs from cache in {total:.1f} s")
             elif self.compile_cache is not None:
                 self._store_compiled_graphs(compiled_now, total)
+
+    def _compile(self, role: str, trace, say: bool, why: str = "") -> None:
+        """Run `trace()`, the call that compiles `role`'s graph (or loads it from torch's own
+        caches), timing it into compile_seconds; with `say`, on the progress lines."""
+        if say:
+            self._say(f"qrt: compiling {role}{why} …")
+        started = time.perf_counter()
+        trace()
+        self.compile_seconds[role] = time.perf_counter() - started
+        if say:
+            self._say(f"qrt: compiled {role} in {self.compile_seconds[role]:.1f} s")
 
     def _one_slot_matches(self) -> bool:
         """Whether decode_slot (and verify_slot) give slot 0 the bits that the graphs of every

@@ -12,10 +12,9 @@ failed to load is never remembered, so it is probed again, as torch would.
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from qrt.cache_dir import cache_root
+from qrt.cache_dir import cache_root, write_cache_file
 
 
 def remember_isa_probes() -> None:
@@ -73,13 +72,5 @@ def _loaded() -> set[str]:
 
 
 def _remember(key: str) -> None:
-    """Add a key; written to a temporary file and renamed, so a reader never sees half a file.
-    A folder that cannot be written only costs the probe next time."""
-    keys = sorted(_loaded() | {key})
-    try:
-        _record().parent.mkdir(parents=True, exist_ok=True)
-        temporary = _record().with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(keys))
-        os.replace(temporary, _record())
-    except OSError:
-        pass
+    """Add a key (a folder that cannot be written only costs the probe next time)."""
+    write_cache_file(_record(), json.dumps(sorted(_loaded() | {key})))

@@ -105,15 +105,13 @@ def check_guess(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         token = int(logits.argmax())
         return token, token == guess
     probs = probabilities(logits[None], params)[0]  # [V]
-    drawn = float(torch.rand((), generator=generator))
+    proposed = 1.0 if proposal is None else float(proposal[guess])  # q(guess)
+    if float(torch.rand((), generator=generator)) * proposed < float(probs[guess]):  # u < p / q
+        return guess, True
     if proposal is None:
-        if drawn < float(probs[guess]):
-            return guess, True
         rest = probs.clone()
         rest[guess] = 0
     else:
-        if drawn * float(proposal[guess]) < float(probs[guess]):  # u < p / q, without dividing by q
-            return guess, True
         # p(guess) < q(guess) here, so p has mass where q has less; only rounding could leave none.
         rest = (probs - proposal).clamp_(min=0)
         if not float(rest.sum()) > 0:
