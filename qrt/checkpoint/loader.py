@@ -30,14 +30,17 @@ def choose_dtype(device_config: DeviceConfig, hf_config: dict, source) -> torch.
 
 
 def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_config: DeviceConfig,
-               parallel: Parallelism = SINGLE) -> nn.Module:
+               parallel: Parallelism = SINGLE, prediction_layers: bool = False) -> nn.Module:
     """A model of `model_cls` with every weight of `checkpoint` (see source.py) loaded and
     repacked for `device_config.device`; in a sharded model (`parallel`), this rank's part of them.
+    prediction_layers: with the checkpoint's multi-token-prediction layer (CausalLM.keep_prediction_layers).
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
     dtype = choose_dtype(device_config, checkpoint.hf_config, checkpoint.config_path)
     with torch.device("meta"):
         model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
+        if prediction_layers:
+            model.keep_prediction_layers()
     materialize(model, device_config.device)
     started = time.perf_counter()
     later = []  # tensors read only if the loader pass leaves a place for them

@@ -292,7 +292,10 @@ class CheckpointNames:
     ignored_prefixes: modules of the checkpoint qrt does not run (DeepSeek-V3's multi-token prediction);
     tied: checkpoint tensors that alias another one in this model and are skipped;
     copies: parameter -> other parameters loaded from the same checkpoint tensor (a tied lm_head
-      quantized online has a weight of its own, quantized from the embeddings as they stream in).
+      quantized online has a weight of its own, quantized from the embeddings as they stream in);
+    moved: (checkpoint prefix, parameter prefix), the first that matches applying before the rest:
+      modules the model holds elsewhere than the checkpoint's name says (DeepSeek-V3's
+      multi-token-prediction layer, stored as one more decoder layer).
     """
 
     stacked: tuple = ()
@@ -301,9 +304,14 @@ class CheckpointNames:
     ignored_prefixes: tuple = ()
     tied: tuple = ()
     copies: dict = field(default_factory=dict)
+    moved: tuple = ()
 
     def parameter_of(self, name: str) -> tuple[str, object]:
         """(parameter name, shard id or None) that checkpoint tensor `name` loads into."""
+        for stored, held in self.moved:
+            if name.startswith(stored):
+                name = held + name[len(stored):]
+                break
         for old, new in self.renamed:
             if name.endswith(old):
                 return name[: -len(old)] + new, None

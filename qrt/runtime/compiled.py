@@ -20,6 +20,7 @@ from .graph_runner import GraphRunner
 from .isa_probe import remember_isa_probes
 from .logprobs import check_top
 from .malloc import map_large_allocations
+from .mtp_graphs import PredictionGraphs
 from .resolve import resolve
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
@@ -75,8 +76,9 @@ def compile_model(
     engine, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2}, or {"method": "draft", "model": PATH, "quant": "int4",
     "num_speculative_tokens": 3} (vLLM's names; runtime/speculative.py). A draft is compiled here
-    with this model's slots and cache length, and must share its tokenizer. Greedy output is
-    unchanged; sampled output keeps its distribution.
+    with this model's slots and cache length, and must share its tokenizer. {"method": "mtp"}
+    guesses with the checkpoint's own multi-token-prediction layer (DeepSeek-V3). Greedy output
+    is unchanged; sampled output keeps its distribution.
     lazy_prefill: prompts (and prompt chunks) of up to this many tokens run through the decode
     graph, a token a step, and the prefill graph is compiled only when a longer one comes: a
     one-off generate of a short prompt then compiles one graph instead of two (`qrt generate`
@@ -103,7 +105,10 @@ def compile_model(
     resolved = resolve(path, quant, load_config, revision=revision, progress=progress)
     path, checkpoint, hf_config = resolved.path, resolved.checkpoint, resolved.hf_config
     model_cls, scheme = resolved.model_cls, resolved.scheme
-    model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel)
+    mtp = speculative is not None and speculative.method == "mtp"
+    if mtp and compile and build != "regional":
+        raise ValueError("speculative method 'mtp' needs build='regional'")
+    model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel, prediction_layers=mtp)
     if compile and build == "regional":
         prepack_cpu_weights(model)
     limit = model.config.max_position_embeddings
@@ -120,6 +125,8 @@ def compile_model(
             "max_batch_size": max_batch_size, "build": build, "model": model_cls.__name__,
             "tp": parallel.size, "rank": parallel.rank,
             "verify_width": speculative.width if speculative else None,
+            # Method "mtp" loads the prediction layer, and the step graphs return hidden states too.
+            **({"prediction_layer": True} if mtp else {}),
         })
         compile_cache = CompileCache(key, parts)
         use_qrt_inductor_dir()
@@ -132,8 +139,12 @@ def compile_model(
             raise ValueError("speculative method 'draft' does not run under tensor parallelism yet; use 'ngram'")
         compiled.draft = _compile_draft(speculative, compiled, path, quant, compile=compile, warmup=warmup,
                                         build=build, cache=cache, progress=progress, lazy_prefill=lazy_prefill)
+    if mtp:
+        compiled.mtp = PredictionGraphs(compiled)
     if compile and warmup:
         compiled.warmup()
+        if mtp:
+            compiled.mtp.warmup()
     return compiled
 
 

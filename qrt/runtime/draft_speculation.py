@@ -39,16 +39,43 @@ class _DraftRow:
     drawn_from: list = field(default_factory=list)  # a sampling request's: each guess's q [V]
 
 
-class DraftSpeculator(Speculator):
+class ModelGuesses(Speculator):
+    """Guesses a model makes from its logits (a draft model's, an MTP layer's): for a greedy
+    request its argmax; for a sampling one a token drawn from q, the distribution the request's
+    settings give those logits, which the check's rejection rule then needs (`proposals`)."""
+
     guessing_takes_steps = True
+
+    def __init__(self, config: SpeculativeConfig):
+        super().__init__(config)
+        self._drawn_from: dict[int, list] = {}  # this step's sampled guesses' distributions, by id(seq)
+
+    @staticmethod
+    def guess_from(seq, logits: torch.Tensor, drawn_from: list) -> int:
+        """The next guess for `seq` from logits [V]; a sampled guess's q [V] goes to `drawn_from`."""
+        sampling = seq.request.sampling
+        if sampling.greedy:
+            return int(logits.argmax())
+        q = probabilities(logits[None], sampling)[0]  # [V]
+        drawn_from.append(q)
+        return int(torch.multinomial(q, 1, generator=seq.generator))
+
+    def keep_proposals(self, drawn: dict[int, list]) -> None:
+        """This step's sampled guesses' distributions, by id(seq) (empty lists: greedy requests)."""
+        self._drawn_from = {key: qs for key, qs in drawn.items() if qs}
+
+    def proposals(self, seq) -> list | None:
+        return self._drawn_from.get(id(seq))
+
+
+class DraftSpeculator(ModelGuesses):
     def __init__(self, config: SpeculativeConfig, draft):
         """draft: the CompiledModel that guesses (compile_model made it with the model's slots
         and cache length)."""
         super().__init__(config)
         self.draft = draft
-        self._drawn_from: dict[int, list] = {}  # this step's sampled guesses' distributions, by id(seq)
 
-    def prefilled(self, seq, tokens: list[int], start: int) -> None:
+    def prefilled(self, seq, tokens: list[int], start: int, hidden=None) -> None:
         state = seq.guessing
         if start > state.draft_position:  # the model reused cached chunks the draft may not hold
             tokens, start = seq.feed[state.draft_position:start] + tokens, state.draft_position
@@ -78,24 +105,9 @@ class DraftSpeculator(Speculator):
             for row in unfinished:
                 row.position += 1
                 if not row.feed:  # it was fed the step's token or a guess: what comes next is a guess
-                    row.guesses.append(self._guess(row, logits[row.seq.slot]))
-        self._drawn_from = {id(row.seq): row.drawn_from for row in active if row.drawn_from}
+                    row.guesses.append(self.guess_from(row.seq, logits[row.seq.slot], row.drawn_from))
+        self.keep_proposals({id(row.seq): row.drawn_from for row in active})
         return {id(row.seq): row.guesses for row in active}
-
-    @staticmethod
-    def _guess(row: _DraftRow, logits: torch.Tensor) -> int:
-        """The draft's next guess from its logits [V]: its argmax for a greedy request; for a
-        sampling one, a token drawn from q, the distribution the request's settings give the
-        draft's logits (kept for the check)."""
-        sampling = row.seq.request.sampling
-        if sampling.greedy:
-            return int(logits.argmax())
-        q = probabilities(logits[None], sampling)[0]  # [V]
-        row.drawn_from.append(q)
-        return int(torch.multinomial(q, 1, generator=row.seq.generator))
-
-    def proposals(self, seq) -> list | None:
-        return self._drawn_from.get(id(seq))
 
     def record(self, seq, guessed: int, accepted: int) -> None:
         super().record(seq, guessed, accepted)

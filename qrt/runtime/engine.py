@@ -29,6 +29,7 @@ import torch
 
 from .distributed import broadcast_from_first
 from .draft_speculation import DraftSpeculator
+from .mtp_speculation import MtpSpeculator
 from .logprobs import TokenLogprob, scored
 from .sampling import SamplingParams, adjusted, check_guess, sample
 from .speculative import GuessState, Speculator
@@ -113,6 +114,12 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+# Each speculative method's speculator, from its config and the model (speculative.py).
+_SPECULATORS = {"ngram": lambda config, model: Speculator(config),
+                "draft": lambda config, model: DraftSpeculator(config, model.draft),
+                "mtp": lambda config, model: MtpSpeculator(config, model.mtp)}
+
+
 class Engine:
     def __init__(self, model, chunk_size: int = DEFAULT_CHUNK, tokenizer=None, prefix_caching: bool = True,
                  speculate: bool = True):
@@ -138,7 +145,9 @@ class Engine:
         config = getattr(model, "speculative", None)
         self.speculator = None
         if speculate and config is not None:
-            self.speculator = DraftSpeculator(config, model.draft) if config.method == "draft" else Speculator(config)
+            self.speculator = _SPECULATORS[config.method](config, model)
+            # A chunk reused from the prefix cache has no hidden states for a speculator to read.
+            self.prefix_caching = prefix_caching and not self.speculator.reads_hidden
 
     # ---- what callers use -----------------------------------------------------------------------
     def submit(self, request: Request, listener=None) -> Sequence:
@@ -269,17 +278,19 @@ class Engine:
                 budget -= end - start
                 # A prompt is scored on its first way through (not when a long context restarts it).
                 scoring = seq.request.prompt_logprobs is not None and not seq.tokens
-                out = self._guarded(seq, self.model.prefill_chunk, seq.feed[start:end], start, seq.slot, scoring)
+                with_hidden = scoring or (self.speculator is not None and self.speculator.reads_hidden)
+                out = self._guarded(seq, self.model.prefill_chunk, seq.feed[start:end], start, seq.slot, with_hidden)
                 if out is not None and scoring:
                     self._guarded(seq, self._score_prompt, seq, out[1], start)
                 if seq.done:  # the chunk or its scoring failed, which ended the request
                     break
                 self.prefix_cache.extend(seq.slot, start, seq.feed[start:end], self.chunk_size)
                 if self.speculator is not None:
-                    self._guarded(seq, self.speculator.prefilled, seq, seq.feed[start:end], start)
+                    self._guarded(seq, self.speculator.prefilled, seq, seq.feed[start:end], start,
+                                  out[1] if with_hidden else None)
                     if seq.done:  # a draft model's prefill failed
                         break
-                logits = out[0] if scoring else out
+                logits = out[0] if with_hidden else out
                 seq.position = end
                 if not seq.chunks:
                     if seq.request.max_tokens == 0:  # scoring the prompt was all it asked for
@@ -351,6 +362,11 @@ class Engine:
             return []
         if guesses:
             self.speculator.checks += 1
+        if self.speculator is not None and self.speculator.reads_hidden:
+            hidden = self.model.last_hidden  # [slots, or 1 alone, width, D]
+            for seq in decoding:
+                self._guarded(seq, self.speculator.stepped, seq, seq.position,
+                              hidden[seq.slot if alone is None else 0, :len(fed[id(seq)])])
         return [(seq, logits[seq.slot if alone is None else 0, :len(fed[id(seq)])], guesses.get(id(seq), []), True)
                 for seq in decoding]
 

@@ -40,6 +40,15 @@ def _one_slot(model, input_ids, positions, keys, slots):
     return model(input_ids, positions, keys, slots)
 
 
+# The same with the final hidden states beside the logits, for a draft that reads them (MTP).
+def _decode_keeping_hidden(model, input_ids, positions, keys):
+    return model(input_ids, positions, keys, keep_hidden=True)
+
+
+def _one_slot_keeping_hidden(model, input_ids, positions, keys, slots):
+    return model(input_ids, positions, keys, slots, keep_hidden=True)
+
+
 # The tensors of each step graph, by name, in the order they are passed.
 _GRAPH_INPUTS = {"prefill": ("input_ids", "positions", "keys", "slots", "logits_at"),
                  "decode": ("input_ids", "positions", "keys"), "verify": ("input_ids", "positions", "keys"),
@@ -92,6 +101,11 @@ class GraphRunner:
         # and the prefill graph is compiled when a longer one first comes (compile_model's doc).
         self.lazy_prefill = lazy_prefill
         self.draft: GraphRunner | None = None  # the draft model of speculative method "draft"
+        self.mtp = None  # the multi-token-prediction graphs of method "mtp" (mtp_graphs.py)
+        # Method "mtp" reads the model's final hidden states of every fed token: the step graphs
+        # return them beside the logits, and each step leaves its rows' in `last_hidden`.
+        self.step_hidden = speculative is not None and speculative.method == "mtp"
+        self.last_hidden: torch.Tensor | None = None  # [rows, W, D] of the last step graph's call
         # Whether the graphs of one slot alone give the same bits as that slot's row of the graphs
         # of every slot (warmup checks it): then the engine may run one decoding request through
         # them without changing its tokens. True with qrt's CPU kernels, whose rows do not depend
@@ -127,8 +141,9 @@ class GraphRunner:
         self._saved_graphs: dict[str, dict] = {}
         self._guarded = False
         # One function may serve two roles: own_copy gives each role its own code object.
-        fns = {"prefill": _prefill, "decode": _decode, "decode_slot": _one_slot, "verify": _decode,
-               "verify_slot": _one_slot, "forward": _forward}
+        decode, one_slot = (_decode_keeping_hidden, _one_slot_keeping_hidden) if self.step_hidden else (_decode, _one_slot)
+        fns = {"prefill": _prefill, "decode": decode, "decode_slot": one_slot, "verify": decode,
+               "verify_slot": one_slot, "forward": _forward}
         if compile:
             number = next(_model_numbers)
             self.graph_functions = {
@@ -175,7 +190,7 @@ class GraphRunner:
         warmup would: on two filler tokens, here at positions start + 1 and start + 2 of the
         chunk's own slot, which the chunk (of more tokens) overwrites next. The offset keeps the
         chunk and attended lengths apart (see _warm). The compile cache entry then gains it."""
-        self._compile("prefill", lambda: self._prefill([0, 0], start + 1, slot, with_hidden=False), say=True,
+        self.compile_timed("prefill", lambda: self._prefill([0, 0], start + 1, slot, with_hidden=False), say=True,
                       why=f" (the first prompt longer than {self.lazy_prefill} tokens)")
         if self.compile_cache is not None and self.saves_graphs:
             self._store_compiled_graphs(("prefill",), self.compile_seconds["prefill"])
@@ -230,7 +245,11 @@ class GraphRunner:
         rows = range(len(tokens)) if slots is None else slots[:, 0].tolist()
         for slot, position in zip(rows, positions[:, 0].tolist()):
             self.prefix_cache.overwritten(slot, position)
-        return self._graph(role, self._step_tensors(tokens, positions, attended, slots))
+        returned = self._graph(role, self._step_tensors(tokens, positions, attended, slots))
+        if not self.step_hidden:
+            return returned
+        logits, self.last_hidden = returned
+        return logits
 
     def _graph(self, role: str, inputs: tuple):
         """Run `role`'s graph on its inputs (_GRAPH_INPUTS[role], in order): called directly
@@ -239,7 +258,7 @@ class GraphRunner:
         direct = self.direct.get(role)
         if direct is not None and not self._guarded:
             outputs = direct(dict(zip(_GRAPH_INPUTS[role], inputs)))
-            return tuple(outputs) if role == "prefill" else outputs[0]
+            return tuple(outputs) if self._outputs(role) == 2 else outputs[0]
         compiled_before = self.backends[role].last_compiled
         returned = self._run(role, *self._traceable(role, inputs))
         if self.backends[role].last_compiled is not compiled_before:  # this call compiled it
@@ -252,10 +271,15 @@ class GraphRunner:
         state = self._named_state()
         spec = GraphSpec.describe(compiled, dict(zip(_GRAPH_INPUTS[role], inputs)),
                                   {id(tensor): name for name, tensor in reversed(state.items())},
-                                  outputs=2 if role == "prefill" else 1)
+                                  outputs=self._outputs(role))
         if spec is not None:
             self.direct[role] = DirectGraph(compiled.fn, spec, state, role, _SIZE_NAMES)
             self.loaded_roles.discard(role)
+
+    def _outputs(self, role: str) -> int:
+        """How many tensors `role`'s graph returns: logits, and for prefill (and every step graph
+        under step_hidden) the final hidden states."""
+        return 2 if role == "prefill" or (self.step_hidden and role != "forward") else 1
 
     def _named_state(self) -> dict[str, torch.Tensor]:
         """Every weight and buffer of the model by qualified name (a tied one under each name)."""
@@ -383,7 +407,7 @@ class GraphRunner:
             # An entry of graphs that lacks one (made with lazy_prefill, say) gains it now.
             grows = loaded is not None and self.saves_graphs and bool(compiled_now)
             for role in compiled_now:
-                self._compile(role, functools.partial(self._warm, role), say=loaded is None or grows)
+                self.compile_timed(role, functools.partial(self._warm, role), say=loaded is None or grows)
             if "decode_slot" in roles:
                 self.one_slot_exact = self._one_slot_matches()
             total = time.perf_counter() - started
@@ -392,7 +416,7 @@ class GraphRunner:
             elif self.compile_cache is not None:
                 self._store_compiled_graphs(compiled_now, total)
 
-    def _compile(self, role: str, trace, say: bool, why: str = "") -> None:
+    def compile_timed(self, role: str, trace, say: bool, why: str = "") -> None:
         """Run `trace()`, the call that compiles `role`'s graph (or loads it from torch's own
         caches), timing it into compile_seconds; with `say`, on the progress lines."""
         if say:

@@ -13,14 +13,15 @@ The guesses come from prompt lookup ("ngram"): the request's last few tokens are
 earlier in its prompt and output, and the tokens that followed there are the guess. It costs
 nothing to run and pays where the output repeats its input: edits of a given passage or code,
 extraction, quoting. Or from a draft model ("draft", draft_speculation.py): a smaller or more
-quantized model with the same tokenizer decodes the guesses. Names and defaults follow vLLM's
-`speculative_config`.
+quantized model with the same tokenizer decodes the guesses. Or from the checkpoint's own
+multi-token-prediction layer ("mtp", mtp_speculation.py: DeepSeek-V3's), which reads the model's
+final hidden states. Names and defaults follow vLLM's `speculative_config`.
 """
 
 from array import array
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 # After the second check in a row in which a request's guesses all failed, it does not guess for
 # 2 steps, after the third 4, and so on (up to this many), so that free text, where lookups keep
 # finding a stale match, runs at about the plain decode step's speed. One miss alone does not
@@ -150,6 +151,9 @@ class GuessState:
     resting: int = 0  # steps left without guessing
     draft_position: int = 0  # a draft model's cache holds this request's first this many tokens
     draft_fed: int = 0  # the draft fed this step's context up to here before its guesses
+    # An MTP layer's: the model's final hidden states [n, D] of positions draft_position.. that it
+    # has not been fed yet (each waits for the token after it).
+    hidden: object = None
 
     def next_guesses(self) -> bool:
         if self.resting:
@@ -174,6 +178,7 @@ class Speculator:
     smaller model."""
 
     guessing_takes_steps = False  # whether making guesses runs a model (then it is weighed first)
+    reads_hidden = False  # whether it reads the model's final hidden states (prefilled, stepped)
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -205,8 +210,14 @@ class Speculator:
         certainty (a lookup, a draft's greedy choice)."""
         return None
 
-    def prefilled(self, seq, tokens: list[int], start: int) -> None:
-        """The engine prefilled `tokens` of `seq` from position `start` (a draft model follows)."""
+    def prefilled(self, seq, tokens: list[int], start: int, hidden=None) -> None:
+        """The engine prefilled `tokens` of `seq` from position `start` (a draft model follows);
+        hidden: their final hidden states [T, D] where the speculator reads them."""
+
+    def stepped(self, seq, start: int, hidden) -> None:
+        """Where it reads hidden states: a step graph fed `seq` tokens from position `start`,
+        whose final hidden states are `hidden` [W, D] (those past the tokens the step keeps are
+        overwritten by a later call)."""
 
     def record(self, seq, guessed: int, accepted: int) -> None:
         """A check of `guessed` guesses of `seq` kept the first `accepted`."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from qrt.errors import UnsupportedError
 from qrt.layers.linear import KV_SCALE_RENAMES, CheckpointNames, Linear
 from qrt.layers.tensor_parallel import SINGLE, Parallelism
 
@@ -73,6 +74,9 @@ class CausalLM(nn.Module):
         self.sliding_window = cfg.sliding_window if any(layer.sliding for layer in self.model.layers) else None
         self.max_seq_len = 0
         self.max_batch_size = 0
+        # A multi-token-prediction layer (models/mtp.py), where the family has one and a draft of
+        # speculative method "mtp" asks for it (keep_prediction_layers).
+        self.mtp = None
         # Set by the compiled build that compiles each distinct layer once (runtime/compiled.py);
         # the frozen whole-graph build inlines every layer instead.
         self.compile_layers_once = False
@@ -92,10 +96,17 @@ class CausalLM(nn.Module):
         for rotary in (self.rotary, self.local_rotary):
             if rotary is not None:
                 rotary.allocate(max_seq_len, self.dtype, device)
-        for layer in self.model.layers:
+        layers = [*self.model.layers, *([self.mtp.block] if self.mtp is not None else [])]
+        for layer in layers:
             layer.self_attn.allocate_cache(max_batch_size, max_seq_len, self.dtype, device)
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
+
+    def keep_prediction_layers(self) -> None:
+        """Build the checkpoint's multi-token-prediction layer into this model (as `mtp`, before
+        its weights are loaded), for speculative method "mtp". Families without one refuse."""
+        raise UnsupportedError(f"{type(self).__name__} has no multi-token-prediction layers for speculative "
+                               f"method 'mtp' (DeepSeek-V3 checkpoints have them); use 'ngram' or 'draft'")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [B, T, D]
@@ -116,6 +127,21 @@ class CausalLM(nn.Module):
         None: all of them. Returns float32 logits [B, T, V]; with keep_hidden, also the final
         hidden states of every position ([B, T, D], normed: `logits` turns them into logits), from
         which a prompt's own log-probabilities are scored."""
+        cached, mask, sliding_mask, rope, local_rope = self._attention_inputs(input_ids, positions, keys)
+        x = self.embed(input_ids)
+        run_layer = _run_layer_once if self.compile_layers_once else _run_layer
+        for layer in self.model.layers:
+            cos, sin = local_rope if layer.sliding else rope
+            x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, cached, slots)
+        hidden = self.model.norm(x)  # [B, T, D]
+        x = hidden
+        if logits_at is not None:
+            x = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, D]
+        return (self.logits(x), hidden) if keep_hidden else self.logits(x)
+
+    def _attention_inputs(self, input_ids, positions, keys):
+        """What every layer's attention takes (forward's doc): the positions K/V go to (None:
+        no cache), the causal mask [B, T, S'] and the sliding one, the rotary tables."""
         seq = input_ids.shape[1]
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device)[None]  # [1, T]
@@ -128,13 +154,19 @@ class CausalLM(nn.Module):
             sliding_mask = mask & (keys[None, None, :] > positions[:, :, None] - self.sliding_window)
         rope = self.rotary(positions)  # cos, sin: [B, 1, T, rot] each
         local_rope = rope if self.local_rotary is None else self.local_rotary(positions)
-        x = self.embed(input_ids)
-        run_layer = _run_layer_once if self.compile_layers_once else _run_layer
-        for layer in self.model.layers:
-            cos, sin = local_rope if layer.sliding else rope
-            x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, cached, slots)
-        hidden = self.model.norm(x)  # [B, T, D]
-        x = hidden
+        return cached, mask, sliding_mask, rope, local_rope
+
+    def predict(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                slots: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
+        """The multi-token-prediction layer (`mtp`) over rows of (h_i, token i + 1): hidden
+        [B, T, D] the model's final hidden states at positions [B, T] (each row its own, into its
+        own cache row slots[b] as in forward; the layer's cache position i holds that pair),
+        input_ids [B, T] the tokens after them. Returns float32 logits [B, T, V] of the token
+        after each input token, and the layer's output [B, T, D], which fed back as `hidden` with
+        a guess at the next position guesses further; with logits_at ([B]) both only at that
+        place ([B, 1, ·])."""
+        cached, mask, _, (cos, sin), _ = self._attention_inputs(input_ids, positions, keys)
+        x = self.mtp(self.embed(input_ids), hidden, cos, sin, mask, cached, slots)  # [B, T, D]
         if logits_at is not None:
-            x = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, D]
-        return (self.logits(x), hidden) if keep_hidden else self.logits(x)
+            x = x.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))  # [B, 1, D]
+        return self.logits(x), x

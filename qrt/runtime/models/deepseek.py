@@ -10,7 +10,8 @@
 
 Routers run in fp32 on fp32 weights, as transformers does; like every router they stay as stored.
 The checkpoints of V3 also carry the multi-token-prediction layers after the last decoder layer
-(`num_nextn_predict_layers`), which generation does not use and qrt skips.
+(`num_nextn_predict_layers`): skipped, unless speculative method "mtp" keeps the first as its draft
+(models/mtp.py).
 """
 
 import math
@@ -30,6 +31,7 @@ from .decoder import SEPARATE_PROJECTIONS, CausalLM
 from .layers import DecoderLayer, GatedMLP
 from .mla import LatentAttention
 from .moe import top_k
+from .mtp import MultiTokenPredictor
 
 
 class DeepseekRouter(nn.Module):
@@ -203,9 +205,29 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, hf_config: dict, scheme, dtype, source="config.json", parallel=SINGLE):
         super().__init__(hf_config, scheme, dtype, source, parallel)
         self.prediction_layers = ConfigReader(hf_config, source).integer("num_nextn_predict_layers", 0, minimum=0)
+        self.scheme, self.source = scheme, source  # what keep_prediction_layers builds with
+
+    def keep_prediction_layers(self) -> None:
+        """Its first multi-token-prediction layer as `mtp`: a layer of experts whatever
+        first_k_dense_replace says (as DeepSeek trained it, and transformers builds it). Further
+        layers (none in DeepSeek-V3's own checkpoints) stay skipped: the first, chained, guesses
+        every depth, as vLLM runs it."""
+        if not self.prediction_layers:
+            raise UnsupportedError(f"{self.source}: num_nextn_predict_layers is 0: this DeepSeek-V3 "
+                                   f"checkpoint has no multi-token-prediction layer for speculative method 'mtp'")
+        if self.config.parallel.sharded:
+            raise UnsupportedError("speculative method 'mtp' does not run under tensor parallelism yet; use 'ngram'")
+        cfg, index = self.config, self.config.num_layers
+        cfg = replace(cfg, layer_types=cfg.layer_types + cfg.layer_types[-1:],
+                      moe=replace(cfg.moe, sparse_layers=cfg.moe.sparse_layers + (True,)))
+        self.mtp = MultiTokenPredictor(cfg, index, self.scheme, self.dtype, self.layer_cls)
 
     def checkpoint_names(self):
         # The multi-token-prediction layers follow the decoder layers in the checkpoint.
         names = super().checkpoint_names()
-        skipped = tuple(f"model.layers.{self.config.num_layers + i}." for i in range(self.prediction_layers))
-        return replace(names, ignored_prefixes=names.ignored_prefixes + skipped)
+        first = self.config.num_layers
+        skipped = tuple(f"model.layers.{first + i}." for i in range(self.prediction_layers))
+        if self.mtp is None:
+            return replace(names, ignored_prefixes=names.ignored_prefixes + skipped)
+        return replace(names, ignored_prefixes=names.ignored_prefixes + skipped[1:]
+                       + MultiTokenPredictor.shared_copies(first), moved=MultiTokenPredictor.checkpoint_moves(first))

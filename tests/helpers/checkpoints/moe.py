@@ -56,12 +56,19 @@ MOE_ARCHS = {
 }
 
 
-def make_moe_checkpoint(folder: Path, arch: str, *, seed: int = 0, dtype=torch.float32):
+def make_moe_checkpoint(folder: Path, arch: str, *, seed: int = 0, dtype=torch.float32, **overrides):
     """Write a tiny random `arch` checkpoint; return the float32 transformers model it holds."""
+    model = random_moe_model(arch, seed=seed, **overrides)
+    model.to(dtype).save_pretrained(str(folder), safe_serialization=True)
+    return model.float()
+
+
+def random_moe_model(arch: str, *, seed: int = 0, **overrides):
+    """A tiny random float32 transformers `arch` model (routers decisive, norms and biases random)."""
     import transformers
 
-    config_name, model_name, overrides = MOE_ARCHS[arch]
-    config = getattr(transformers, config_name)(**{**_MOE_TINY, **overrides})
+    config_name, model_name, arch_overrides = MOE_ARCHS[arch]
+    config = getattr(transformers, config_name)(**{**_MOE_TINY, **arch_overrides, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
     with torch.no_grad():
@@ -75,8 +82,7 @@ def make_moe_checkpoint(folder: Path, arch: str, *, seed: int = 0, dtype=torch.f
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would not test it
                 buffer.copy_(torch.randn_like(buffer) * CORRECTION_BIAS_STD)
-    model.to(dtype).save_pretrained(str(folder), safe_serialization=True)
-    return model.float()
+    return model
 
 
 def is_router(module: str) -> bool:
