@@ -74,6 +74,12 @@ def _checkpoint_name(name: str, layers: int) -> str | None:
     return f"model.layers.{layers}.{part.replace('post_norm.', 'shared_head.norm.')}"
 
 
+def training_prompts(vocab_size: int, sequences: int = 8, seed: int = 0) -> list[list[int]]:
+    """The random 4-token prompts whose greedy continuations train_mtp_layer trains on."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (sequences, 4), generator=generator).tolist()
+
+
 def train_mtp_layer(folder: Path, *, sequences: int = 8, length: int = 48, steps: int = 300, seed: int = 0) -> float:
     """Train the checkpoint's MTP layer, as DeepSeek trains it, to predict the token after next on
     the model's own greedy continuations of random prompts (seeded), and write it back: a layer
@@ -82,8 +88,7 @@ def train_mtp_layer(folder: Path, *, sequences: int = 8, length: int = 48, steps
     as written). Returns the share of the training sequences' tokens it then predicts."""
     model, mtp = transformers_mtp(folder)
     layers = model.config.num_hidden_layers
-    generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, model.config.vocab_size, (sequences, 4), generator=generator)
+    prompts = torch.tensor(training_prompts(model.config.vocab_size, sequences, seed))
     with torch.no_grad():
         ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=length - 4, min_new_tokens=length - 4, do_sample=False)
         hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # [S, L, D]

@@ -1,0 +1,176 @@
+"""Speculative method "mtp": a tiny DeepSeek-V3 checkpoint with one multi-token-prediction layer in
+DeepSeek's layout, the layer trained on the model's own greedy text (helpers/checkpoints/mtp.py).
+transformers' MtpModel, reading the same file, is the reference: qrt's layer gives its logits and
+the engine's first guess at every step is its argmax there. Greedy tokens are those of plain
+decoding, alone and in a churn over several slots, eagerly and compiled (one graph per role, no
+recompiles as acceptance varies); sampled tokens keep the model's distribution; models without
+the layer are refused with what to do."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from helpers.checkpoints.mtp import make_mtp_checkpoint, train_mtp_layer, training_prompts, transformers_mtp
+from helpers.checkpoints.tiny import make_checkpoint
+from helpers.compare import relative_l2
+from helpers.graph_checks import no_recompiles
+from qrt import runtime
+from qrt.errors import UnsupportedError
+from qrt.runtime.engine import Engine
+from qrt.runtime.sampling import SamplingParams, probabilities
+from test_speculative import P_VALUE_FLOOR, _chi_square_p, _run, always_checking
+
+K, SLOTS, MAX_SEQ_LEN, VOCAB = 3, 3, 128, 300
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp")
+    make_mtp_checkpoint(folder)
+    # The layer predicts every training token after it trains (measured: all of them); a layer that
+    # did not learn would leave the kept-guess checks below nothing to keep.
+    assert train_mtp_layer(folder) > 0.9
+    return folder
+
+
+def _compile(folder, compile: bool):
+    return runtime.compile_model(folder, compile=compile, progress=False, max_seq_len=MAX_SEQ_LEN,
+                                 max_batch_size=SLOTS, speculative={"method": "mtp", "num_speculative_tokens": K})
+
+
+@pytest.fixture(scope="module")
+def eager(folder):
+    return _compile(folder, compile=False)
+
+
+def _requests(model):
+    """Continuations of three training prompts (the layer guesses them well) and of an unseen
+    17-token prompt (it guesses worse), one of them of a one-token prompt."""
+    prompts = training_prompts(VOCAB)[:3] + [[random.Random(4).randrange(VOCAB) for _ in range(17)]]
+    prompts[1] = prompts[1][:1]
+    return [model.request(prompt, new, SamplingParams(), stop_at_eos=False)
+            for prompt, new in zip(prompts, (40, 30, 44, 36))]
+
+
+def _recording_first_guesses(engine: Engine) -> dict:
+    """Wrap the engine's guessing: (position fed, first guess) of each step, by id(request)."""
+    first, guesses = {}, engine.speculator.guesses
+
+    def recording(rows):
+        made = guesses(rows)
+        for seq, context, _ in rows:
+            if made.get(id(seq)):
+                first.setdefault(id(seq.request), []).append((len(context) - 1, made[id(seq)][0]))
+        return made
+
+    engine.speculator.guesses = recording
+    return first
+
+
+def test_the_layer_gives_transformers_mtp_logits(folder, eager):
+    """The model's final hidden states and the tokens after them through qrt's layer (eager,
+    float32) against transformers' MtpModel reading the same file."""
+    hf, mtp = transformers_mtp(folder)
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = hf(ids, output_hidden_states=True).hidden_states[-1]  # [1, 20, D], normed
+        # transformers places the pair (h_i, token i + 1) at position i + 1, qrt at i: RoPE sees
+        # the same distances.
+        expected = mtp._project_to_logits(mtp.forward_layer(0, hidden[:, :-1], torch.arange(1, 20)[None], None,
+                                                            input_ids=ids[:, 1:]))
+        slot = torch.tensor([0])  # [1]: the cache row of this one sequence
+        _, own_hidden = eager.model(ids, torch.arange(20)[None], torch.arange(20), slot, keep_hidden=True)
+        got, _ = eager.model.predict(ids[:, 1:], own_hidden[:, :-1], torch.arange(19)[None], torch.arange(19), slot)
+    assert relative_l2(own_hidden, hidden) < 1e-4  # measured: 1.3e-5
+    assert relative_l2(got, expected) < 1e-4  # measured: 1.1e-5, float32 rounding through two models
+
+
+def _first_guesses_are_transformers_argmaxes(folder, requests, tokens, first):
+    hf, mtp = transformers_mtp(folder)
+    checked = 0
+    for request, output in zip(requests, tokens):
+        ids = torch.tensor([list(request.prompt) + output])
+        with torch.no_grad():
+            hidden = hf(ids, output_hidden_states=True).hidden_states[-1]
+            length = ids.shape[1]
+            logits = mtp._project_to_logits(mtp.forward_layer(0, hidden[:, :-1], torch.arange(1, length)[None], None,
+                                                              input_ids=ids[:, 1:]))[0]  # [L - 1, V]
+        for position, guess in first.get(id(request), []):
+            # The step feeding the token at `position` guesses from the pair (h at position - 1, it).
+            assert guess == int(logits[position - 1].argmax()), (position, guess)
+            checked += 1
+    assert checked >= 20
+
+
+def test_greedy_tokens_equal_plain_decoding_and_first_guesses_are_the_layers(folder, eager):
+    requests = _requests(eager)
+    alone = [_run(Engine(eager, speculate=False), [r])[0] for r in requests]
+    speculating = always_checking(Engine(eager))
+    first = _recording_first_guesses(speculating)
+    assert [_run(speculating, [r])[0] for r in requests] == alone
+    assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
+    spec = speculating.speculator
+    # Measured 41% of 3 guesses a check: the first guesses nearly all kept, the chained ones less.
+    assert spec.checks > 0 and 0.25 * spec.proposed < spec.accepted < spec.proposed, (spec.accepted, spec.proposed)
+    _first_guesses_are_transformers_argmaxes(folder, requests, alone, first)
+
+
+def test_models_without_the_layer_are_refused(folder, tmp_path):
+    make_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(UnsupportedError, match="no multi-token-prediction layers"):
+        runtime.compile_model(tmp_path / "llama", compile=False, progress=False, speculative={"method": "mtp"})
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "none").mkdir()
+    for name in ("model.safetensors",):
+        (tmp_path / "none" / name).symlink_to(folder / name)
+    (tmp_path / "none" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(UnsupportedError, match="num_nextn_predict_layers is 0"):
+        runtime.compile_model(tmp_path / "none", compile=False, progress=False, speculative={"method": "mtp"})
+
+
+@pytest.fixture(scope="module")
+def compiled(folder):
+    return _compile(folder, compile=True)
+
+
+@pytest.mark.slow
+def test_compiled_greedy_tokens_equal_plain_decoding_without_recompiles(folder, compiled):
+    requests = _requests(compiled)
+    alone = [_run(Engine(compiled, speculate=False), [r])[0] for r in requests]
+    speculating = always_checking(Engine(compiled))
+    first = _recording_first_guesses(speculating)
+    with no_recompiles(compiled):
+        assert [_run(speculating, [r])[0] for r in requests] == alone
+        assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
+    spec = speculating.speculator
+    assert 0.25 * spec.proposed < spec.accepted < spec.proposed, (spec.accepted, spec.proposed)
+    _first_guesses_are_transformers_argmaxes(folder, requests, alone, first)
+    assert compiled.mtp.compile_report() == {"catch_up": 1, "chain": 1}
+    assert {role: count for role, count in compiled.compile_report().items() if count} == {
+        "prefill": 1, "decode": 1, "decode_slot": 1, "verify": 1, "verify_slot": 1}
+
+
+@pytest.mark.slow
+def test_sampled_tokens_with_the_layers_guesses_are_distributed_as_the_model_samples(compiled):
+    """Two sampled tokens (temperature 1, top-3) after a training prompt, the second a checked
+    guess drawn from the layer's distribution, against p(t1) · p(t2 | t1) over seeded draws."""
+    prompt = training_prompts(VOCAB)[0]
+    params = SamplingParams(temperature=1.0, top_k=3)
+
+    def distribution(ids):
+        return probabilities(compiled(torch.tensor([ids]))[0, -1][None], params)[0]
+
+    first = distribution(prompt)
+    following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
+    engine = always_checking(Engine(compiled))
+    draws = 1200
+    pairs = [tuple(_run(engine, [compiled.request(prompt, 3, SamplingParams(temperature=1.0, top_k=3, seed=seed),
+                                                  stop_at_eos=False)])[0][:2]) for seed in range(draws)]
+    assert engine.speculator.checks >= draws
+    cells = [(a, b) for a, p in following.items() for b in p.nonzero().flatten().tolist()]
+    expected = torch.tensor([float(first[a] * following[a][b]) for a, b in cells], dtype=torch.float64)
+    observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
+    assert observed.sum() == draws
+    assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
