@@ -4,9 +4,11 @@ what the prompt gives (where prompt lookup pays) and on free text (where it must
     python -m bench.speculative                                   # default model, bf16 and int4, ngram
     python -m bench.speculative --quant bf16 --methods ngram,draft --draft-quant int4 --k 3,5 --json out.json
     python -m bench.speculative --runs 1 --new-tokens 16 --quant bf16 --workloads code  # smoke
+    python -m bench.speculative PATH --quant bf16 --methods mtp --k 1,2   # a checkpoint with MTP layers
 
 Each model is compiled once per method and k: {"method": "ngram", "num_speculative_tokens": k},
-or {"method": "draft", "model": the same checkpoint, "quant": --draft-quant, ...}; the same model
+or {"method": "draft", "model": the same checkpoint, "quant": --draft-quant, ...}, or {"method":
+"mtp"} (the checkpoint's own multi-token-prediction layer: DeepSeek-V3's); the same model
 decodes every prompt both ways, through two engines over its one KV cache (one of them with
 speculation off), alternating run by run, so both sides share the process, the weights and the
 hour. Decoding is greedy and stops at the model's end of turn; the two sides must produce the
@@ -92,7 +94,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("path", nargs="?", help="checkpoint folder (default: the default model)")
     parser.add_argument("--quant", type=name_list(QUANTS), default=["bf16", "int4"])
     parser.add_argument("--k", default="3", help="comma-separated num_speculative_tokens values, one model each")
-    parser.add_argument("--methods", type=name_list(("ngram", "draft")), default=["ngram"])
+    parser.add_argument("--methods", type=name_list(("ngram", "draft", "mtp")), default=["ngram"])
     parser.add_argument("--draft-quant", default="int4", help="draft: the quantized copy of the model that drafts")
     parser.add_argument("--workloads", type=name_list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--runs", type=positive_int, default=3)
@@ -162,7 +164,7 @@ def main() -> int:
                 spec = {"method": method, "num_speculative_tokens": k}
                 if method == "draft":
                     spec |= {"model": args.path, "quant": QUANTS[args.draft_quant]}
-                label = f"{quant} {method if method == 'ngram' else f'{args.draft_quant} draft'} k={k}"
+                label = f"{quant} {f'{args.draft_quant} draft' if method == 'draft' else method} k={k}"
                 log(f"compiling {label} …")
                 model = runtime.compile_model(args.path, quant=QUANTS[quant], speculative=spec, progress=False)
                 for name in args.workloads:

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                          help="speculative decoding: guess the next tokens and check them in one call (greedy "
                               "output unchanged). ngram looks the last few tokens up earlier in the prompt and "
-                              "output (pays where answers repeat their input); draft asks a draft model (--draft)")
+                              "output (pays where answers repeat their input); draft asks a draft model (--draft); "
+                              "mtp uses the checkpoint's multi-token-prediction layer (DeepSeek-V3)")
         defaults = SpeculativeConfig()
         sub.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                          help="guesses checked per step (default: %(default)s)")
@@ -189,8 +190,12 @@ def _speculative(args) -> dict | None:
             raise ValueError("--draft and --draft-quant need --speculative draft")
         return None
     spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative != "draft" and (args.draft is not None or args.draft_quant is not None):
+        raise ValueError("--draft and --draft-quant need --speculative draft")
     if args.speculative == "ngram":
         return spec | {"prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.speculative == "mtp":
+        return spec
     # The model's own checkpoint by default (with a --draft-quant); `default` names the embedded model.
     draft = _model_path(args.draft) if args.draft is not None else args.path
     return spec | {"model": None if draft is None else str(draft), "quant": args.draft_quant}

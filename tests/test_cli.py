@@ -81,3 +81,5 @@ def test_generate_with_speculation_says_what_it_kept(chat_llama_dir, capsys):
 def test_draft_flags_without_a_draft_method_are_refused(chat_llama_dir, capsys):
     assert main(["generate", str(chat_llama_dir), "--draft-quant", "int4"]) == 2
     assert "--draft and --draft-quant need --speculative draft" in capsys.readouterr().err
+    assert main(["generate", str(chat_llama_dir), "--speculative", "mtp", "--draft", "other"]) == 2
+    assert "--draft and --draft-quant need --speculative draft" in capsys.readouterr().err

@@ -4,15 +4,19 @@ transformers' MtpModel, reading the same file, is the reference: qrt's layer giv
 the engine's first guess at every step is its argmax there. Greedy tokens are those of plain
 decoding, alone and in a churn over several slots, eagerly and compiled (one graph per role, no
 recompiles as acceptance varies); sampled tokens keep the model's distribution; models without
-the layer are refused with what to do."""
+the layer are refused with what to do; `qrt serve --speculative mtp` answers the openai client as
+plain decoding does."""
 
 import json
 import random
+import sys
 
+import openai
 import pytest
 import torch
 
 from helpers.checkpoints.mtp import make_mtp_checkpoint, train_mtp_layer, training_prompts, transformers_mtp
+from bench.serve_load import ServerProcess, free_port, metrics
 from helpers.checkpoints.tiny import make_checkpoint
 from helpers.compare import relative_l2
 from helpers.graph_checks import no_recompiles
@@ -21,6 +25,7 @@ from qrt.errors import UnsupportedError
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams, probabilities
 from test_speculative import P_VALUE_FLOOR, _chi_square_p, _run, always_checking
+from tiny_tokenizer import write_tokenizer
 
 K, SLOTS, MAX_SEQ_LEN, VOCAB = 3, 3, 128, 300
 
@@ -32,6 +37,7 @@ def folder(tmp_path_factory):
     # The layer predicts every training token after it trains (measured: all of them); a layer that
     # did not learn would leave the kept-guess checks below nothing to keep.
     assert train_mtp_layer(folder) > 0.9
+    write_tokenizer(folder)  # for the server's text
     return folder
 
 
@@ -174,3 +180,35 @@ def test_sampled_tokens_with_the_layers_guesses_are_distributed_as_the_model_sam
     observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
     assert observed.sum() == draws
     assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
+
+
+@pytest.mark.slow
+def test_the_server_answers_as_plain_decoding_and_counts_the_layers_guesses(folder, compiled, tmp_path):
+    """`qrt serve --speculative mtp` on the same checkpoint (its model graphs from the compile cache
+    the fixture filled): greedy completions of token prompts, alone and streamed, are the text plain
+    decoding gives, and /metrics counts guesses kept."""
+    port = free_port()
+    command = [sys.executable, "-m", "qrt", "serve", str(folder), "--port", str(port), "--max-batch", str(SLOTS),
+               "--max-seq-len", str(MAX_SEQ_LEN), "--speculative", "mtp", "--num-speculative-tokens", str(K),
+               "--served-model-name", "x"]
+    server = ServerProcess(command, port, "/health", tmp_path / "server.log")
+    prompts = training_prompts(VOCAB)[:3]
+    expected = []
+    for prompt in prompts:
+        engine = Engine(compiled, speculate=False)
+        seq = engine.submit(compiled.request(prompt, 30, SamplingParams(), stop_at_eos=False, text=True))
+        engine.run([seq])
+        expected.append(seq.text)
+    try:
+        server.wait_ready(300)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        answers = [client.completions.create(model="x", prompt=prompt, max_tokens=30, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text for prompt in prompts]
+        stream = client.completions.create(model="x", prompt=prompts[0], max_tokens=30, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        values = metrics(server.url)
+    finally:
+        server.stop()
+    assert all(expected) and answers == expected and streamed == expected[0]
+    assert 0 < values["qrt_speculative_accepted_tokens_total"] <= values["qrt_speculative_proposed_tokens_total"]
