@@ -20,9 +20,10 @@ from helpers.checkpoints.moe import make_moe_checkpoint, random_moe_model
 ARCH = "deepseek_v3"
 
 
-def make_mtp_checkpoint(folder: Path, *, seed: int = 0, **overrides):
-    """Write the checkpoint; return the float32 transformers model it holds (without its MTP layer)."""
-    model = make_moe_checkpoint(folder, ARCH, seed=seed, **overrides)
+def make_mtp_checkpoint(folder: Path, *, seed: int = 0, dtype=torch.float32, **overrides):
+    """Write the checkpoint (its tensors in `dtype`); return the float32 transformers model it
+    holds (without its MTP layer)."""
+    model = make_moe_checkpoint(folder, ARCH, seed=seed, dtype=dtype, **overrides)
     layers = model.config.num_hidden_layers
     deeper = random_moe_model(ARCH, seed=seed + 1, **{**overrides, "num_hidden_layers": layers + 1})
     with tempfile.TemporaryDirectory() as scratch:
@@ -38,6 +39,8 @@ def make_mtp_checkpoint(folder: Path, *, seed: int = 0, **overrides):
     state[f"{prefix}eh_proj.weight"] = torch.randn(width, 2 * width, generator=generator) * (2 * width) ** -0.5
     state[f"{prefix}embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
     state[f"{prefix}shared_head.head.weight"] = state["lm_head.weight"].clone()
+    state.update({name: tensor.to(dtype) for name, tensor in state.items()
+                  if name.startswith(prefix) and tensor.dtype == torch.float32})
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
@@ -45,9 +48,9 @@ def make_mtp_checkpoint(folder: Path, *, seed: int = 0, **overrides):
 
 
 def set_mtp_tensors(folder: Path, tensors: dict) -> None:
-    """Replace the MTP layer's tensors (checkpoint names) in the checkpoint."""
+    """Replace the MTP layer's tensors (checkpoint names) in the checkpoint, in its dtypes."""
     state = load_file(str(folder / "model.safetensors"))
-    state.update(tensors)
+    state.update({name: tensor.to(state[name].dtype) for name, tensor in tensors.items()})
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
