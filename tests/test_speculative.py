@@ -3,13 +3,14 @@ greedy tokens unchanged at batch 1 and in a churn of requests, sampled tokens di
 model's own, and one verify graph however many guesses are kept."""
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 
 from helpers.checkpoints.tiny import make_checkpoint
 from helpers.graph_checks import assert_no_graph_breaks, no_recompiles
+from helpers.speculation import (P_VALUE_FLOOR, always_checking, chi_square_p, looping_prompt, run_requests,
+                                 two_sampled_tokens_p_value)
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams, check_guess, probabilities
@@ -98,43 +99,11 @@ def test_verify_logits_equal_decode_logits(model):
         torch.testing.assert_close(verified[1, place], decoded[place], rtol=1e-5, atol=1e-5, msg=f"place {place}")
 
 
-def _run(engine, requests, arrivals=None):
-    """Submit requests (at the given steps; default: all at once), step until all are done."""
-    arrivals = arrivals or [0] * len(requests)
-    sequences, step = [None] * len(requests), 0
-    while any(s is None or not s.done for s in sequences):
-        for i, at in enumerate(arrivals):
-            if at == step:
-                sequences[i] = engine.submit(requests[i])
-        engine.step()
-        step += 1
-    for seq in sequences:
-        assert seq.error is None, seq.error
-    return [seq.tokens for seq in sequences]
-
-
-def always_checking(engine: Engine) -> Engine:
-    """The engine with every guess checked, whatever its timings say a check is worth
-    (speculative.CheckCosts, tested on its own): for tests of the checking itself."""
-    engine.speculator.costs.pays = lambda *args: True
-    return engine
-
-
-def _looping_prompt(seed: int, length: int) -> list[int]:
-    """A prompt that repeats a short phrase with changes, so that lookups find guesses."""
-    rng = random.Random(seed)
-    phrase = [rng.randrange(3, 300) for _ in range(6)]
-    prompt = []
-    while len(prompt) < length:
-        prompt += [t if rng.random() > 0.15 else rng.randrange(3, 300) for t in phrase]
-    return prompt[:length]
-
-
 def test_greedy_tokens_equal_plain_decoding_at_batch_1(model):
-    prompt = _looping_prompt(1, 40)
+    prompt = looping_prompt(1, 40)
     request = model.request(prompt, 60, SamplingParams(), stop_at_eos=False)
     speculating = always_checking(Engine(model))
-    assert _run(speculating, [request]) == _run(Engine(model, speculate=False), [request])
+    assert run_requests(speculating, [request]) == run_requests(Engine(model, speculate=False), [request])
     spec = speculating.speculator
     assert spec.checks > 0 and 0 < spec.accepted <= spec.proposed
 
@@ -142,14 +111,14 @@ def test_greedy_tokens_equal_plain_decoding_at_batch_1(model):
 def test_greedy_tokens_equal_plain_decoding_in_a_churn(model):
     """Five requests over three slots, of different lengths, arriving at different steps, some
     sampling: each greedy one's tokens are the tokens it gets alone without speculation."""
-    requests = [model.request(_looping_prompt(seed, length), new, sampling, stop_at_eos=False)
+    requests = [model.request(looping_prompt(seed, length), new, sampling, stop_at_eos=False)
                 for seed, length, new, sampling in (
                     (2, 30, 50, SamplingParams()), (3, 9, 40, SamplingParams(temperature=0.9, seed=5)),
                     (4, 70, 45, SamplingParams()), (5, 3, 30, SamplingParams()),
                     (6, 50, 35, SamplingParams(temperature=1.2, top_k=5, seed=2)))]
-    alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
+    alone = [run_requests(Engine(model, speculate=False), [r])[0] for r in requests]
     speculating = always_checking(Engine(model))
-    together = _run(speculating, requests, arrivals=[0, 0, 2, 5, 9])
+    together = run_requests(speculating, requests, arrivals=[0, 0, 2, 5, 9])
     for i, request in enumerate(requests):
         assert len(together[i]) == request.max_tokens
         if request.sampling.greedy:
@@ -158,28 +127,14 @@ def test_greedy_tokens_equal_plain_decoding_in_a_churn(model):
 
 
 def test_one_verify_graph_however_many_guesses_are_kept(model):
-    requests = [model.request(_looping_prompt(seed, 25), 40, SamplingParams(), stop_at_eos=False) for seed in (7, 8)]
+    requests = [model.request(looping_prompt(seed, 25), 40, SamplingParams(), stop_at_eos=False) for seed in (7, 8)]
     engine = always_checking(Engine(model))
     with no_recompiles(model):
-        _run(engine, requests, arrivals=[0, 3])
+        run_requests(engine, requests, arrivals=[0, 3])
     spec = engine.speculator
     assert spec.checks > 1 and 0 < spec.accepted < spec.proposed  # guesses kept and guesses refused
     assert model.compile_report()["verify"] == 1
     assert_no_graph_breaks(model, "verify")
-
-
-def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """The p-value of observed counts against expected ones (cells expected below 5 lumped)."""
-    small = expected < 5
-    observed = torch.cat([observed[~small], observed[small].sum()[None]])
-    expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = expected > 0
-    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
-
-
-P_VALUE_FLOOR = 1e-3  # a correct sampler fails one run in a thousand; a biased one fails every run
 
 
 def test_a_checked_guess_is_distributed_as_the_model_samples():
@@ -191,7 +146,7 @@ def test_a_checked_guess_is_distributed_as_the_model_samples():
         for guess in (int(p.argmax()), int(p.argmin())):  # a likely guess and one never right
             draws = [check_guess(logits, params, generator, guess) for _ in range(4000)]
             counts = torch.bincount(torch.tensor([token for token, _ in draws]), minlength=12).double()
-            assert _chi_square_p(counts, p.double() * len(draws)) > P_VALUE_FLOOR, (params, guess)
+            assert chi_square_p(counts, p.double() * len(draws)) > P_VALUE_FLOOR, (params, guess)
             assert all(agreed == (token == guess) for token, agreed in draws)
 
 
@@ -212,7 +167,7 @@ def test_a_guess_drawn_from_a_proposal_is_checked_into_the_models_distribution()
             guess = int(torch.multinomial(q, 1, generator=generator))
             draws.append(check_guess(logits, params, generator, guess, proposal=q))
         counts = torch.bincount(torch.tensor([token for token, _ in draws]), minlength=12).double()
-        assert _chi_square_p(counts, p.double() * len(draws)) > P_VALUE_FLOOR, params
+        assert chi_square_p(counts, p.double() * len(draws)) > P_VALUE_FLOOR, params
         kept = sum(agreed for _, agreed in draws) / len(draws)
         overlap = float(torch.minimum(p, q).sum())
         assert abs(kept - overlap) < 4 * (overlap * (1 - overlap) / len(draws)) ** 0.5 + 1e-3, (kept, overlap)
@@ -224,31 +179,18 @@ def test_sampled_tokens_through_the_engine_are_distributed_as_the_model_samples(
     joint frequencies over seeded draws against p(t1) · p(t2 | t1). The guess after each t1 is
     the model's most likely t2 (looked up beforehand), so that it is kept often and refused often;
     a lookup in this random model's text would almost never be right."""
-    prompt = _looping_prompt(9, 40)
+    prompt = looping_prompt(9, 40)
     params = SamplingParams(temperature=1.0, top_k=3)
-
-    def distribution(ids):
-        logits = model(torch.tensor([ids]))[0, -1]  # the full-sequence graph, no cache
-        return probabilities(logits[None], params)[0]
-
-    first = distribution(prompt)
-    following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
-    likeliest = {a: int(p.argmax()) for a, p in following.items()}
+    with torch.no_grad():
+        following = {a: model(torch.tensor([prompt + [a]]))[0, -1] for a in range(model.vocab_size)}
+    likeliest = {a: int(logits.argmax()) for a, logits in following.items()}
     engine = always_checking(Engine(model))
     engine.speculator.guess = lambda state, context, limit: [likeliest[context[-1]]]
     draws = 1500
-    # Three tokens, so that the second can be guessed (a guess for the last token saves no step).
-    pairs = [tuple(_run(engine, [model.request(prompt, 3, replace(params, seed=seed), stop_at_eos=False)])[0][:2])
-             for seed in range(draws)]
+    assert two_sampled_tokens_p_value(model, engine, prompt, params, draws) > P_VALUE_FLOOR
     spec = engine.speculator
     assert spec.checks >= draws  # every second token came from a check (and some third ones)
     assert draws / 10 < spec.accepted < spec.proposed - draws / 10, spec.accepted  # guesses kept and refused
-
-    cells = [(a, b) for a, p in following.items() for b in p.nonzero().flatten().tolist()]
-    expected = torch.tensor([float(first[a] * following[a][b]) for a, b in cells], dtype=torch.float64)
-    observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
-    assert observed.sum() == draws  # no draw outside the cells the model allows
-    assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
 
 
 def test_a_check_runs_where_it_is_expected_to_pay():

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from bench.speculative import WORKLOADS
+from helpers.speculation import run_requests, verify_beside_decode
 from qrt import runtime
 from qrt.runtime.engine import Engine
 from qrt.runtime.default_model import default_model_path
 from qrt.runtime.evaluate import DEFAULT_TEXT
 from qrt.runtime.sampling import SamplingParams
-from test_speculative import _run
 
 pytestmark = pytest.mark.slow
 
@@ -29,29 +29,20 @@ def test_verify_logits_are_the_decode_logits_bit_for_bit(model):
     words = DEFAULT_TEXT.read_text().split()
     prompt = model.encode(" ".join(words[:700]))[:500]
     slot = 2
-    first = int(model.prefill_chunk(prompt, 0, slot).argmax())
-    fed, decoded = [first], []
-    for place in range(K + 1):  # decode greedily, one token a step
-        tokens, positions = model.idle_decode_rows()
-        tokens[slot], positions[slot] = fed[-1], len(prompt) + place
-        decoded.append(model.decode_step(tokens, positions, len(prompt) + place + 1)[slot])
-        fed.append(int(decoded[-1].argmax()))
-    tokens, positions = model.idle_rows(K + 1)
-    tokens[slot], positions[slot] = torch.tensor(fed[:K + 1]), torch.arange(len(prompt), len(prompt) + K + 1)
-    verified = model.verify_step(tokens, positions, len(prompt) + K + 1)[slot]  # [k + 1, V]
+    verified, decoded, tokens, positions = verify_beside_decode(model, prompt, slot, K)
     for place in range(K + 1):
         assert torch.equal(verified[place], decoded[place]), f"place {place}"
     # The graphs of one slot alone give the same bits, so the engine may use them.
     assert model.one_slot_exact
-    assert torch.equal(model.verify_slot(slot, tokens[slot], positions[slot], len(prompt) + K + 1), verified)
-    assert torch.equal(model.decode_slot(slot, fed[0], len(prompt)), decoded[0])
+    assert torch.equal(model.verify_slot(slot, tokens, positions, len(prompt) + K + 1), verified)
+    assert torch.equal(model.decode_slot(slot, int(tokens[0]), len(prompt)), decoded[0])
 
 
 def test_greedy_answers_are_unchanged_alone_and_in_company(model):
     requests = [model.request(model.encode_messages([{"role": "user", "content": WORKLOADS[name]}]), 96,
                               SamplingParams(), stop_at_eos=False) for name in ("passage", "code", "free")]
-    alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
+    alone = [run_requests(Engine(model, speculate=False), [r])[0] for r in requests]
     speculating = Engine(model)
-    assert [_run(speculating, [r])[0] for r in requests] == alone
-    assert _run(speculating, requests, [0, 4, 9]) == alone
+    assert [run_requests(speculating, [r])[0] for r in requests] == alone
+    assert run_requests(speculating, requests, [0, 4, 9]) == alone
     assert speculating.speculator.accepted > 0

@@ -6,13 +6,13 @@ cannot work are refused with what to change."""
 import shutil
 
 import pytest
-import torch
 
 from helpers.checkpoints.tiny import make_checkpoint
+from helpers.speculation import (P_VALUE_FLOOR, always_checking, looping_prompt, run_requests,
+                                 two_sampled_tokens_p_value)
 from qrt import runtime
 from qrt.runtime.engine import Engine
-from qrt.runtime.sampling import SamplingParams, probabilities
-from test_speculative import P_VALUE_FLOOR, _chi_square_p, _looping_prompt, _run, always_checking
+from qrt.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # three models compiled: `make test-slow`
 
@@ -47,7 +47,7 @@ def with_other(folders):
 
 
 def _requests(model):
-    return [model.request(_looping_prompt(seed, length), new, SamplingParams(), stop_at_eos=False)
+    return [model.request(looping_prompt(seed, length), new, SamplingParams(), stop_at_eos=False)
             for seed, length, new in ((11, 30, 40), (12, 9, 30), (13, 70, 35), (14, 3, 25))]
 
 
@@ -55,10 +55,10 @@ def _requests(model):
 def test_greedy_tokens_equal_plain_decoding_alone_and_in_a_churn(which, request):
     model = request.getfixturevalue(f"with_{which}")
     requests = _requests(model)
-    alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
+    alone = [run_requests(Engine(model, speculate=False), [r])[0] for r in requests]
     speculating = always_checking(Engine(model))
-    assert [_run(speculating, [r])[0] for r in requests] == alone
-    assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
+    assert [run_requests(speculating, [r])[0] for r in requests] == alone
+    assert run_requests(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
     spec = speculating.speculator
     assert spec.checks > 0 and spec.proposed > 0
     if which == "copy":  # the same weights: only rounding between M = 1 and M = k + 1 can differ
@@ -69,11 +69,11 @@ def test_the_draft_catches_up_on_chunks_the_model_reused(with_copy):
     """A plain engine leaves the prompt's chunks in the model's cache only; a speculating engine
     then reuses them, and the draft must prefill them itself to keep guessing right."""
     model = with_copy
-    request = model.request(_looping_prompt(15, 40), 30, SamplingParams(), stop_at_eos=False)
-    expected = _run(Engine(model, chunk_size=16, speculate=False), [request])[0]
+    request = model.request(looping_prompt(15, 40), 30, SamplingParams(), stop_at_eos=False)
+    expected = run_requests(Engine(model, chunk_size=16, speculate=False), [request])[0]
     before = model.prefix_cache.reused_tokens
     speculating = always_checking(Engine(model, chunk_size=16))
-    assert _run(speculating, [request])[0] == expected
+    assert run_requests(speculating, [request])[0] == expected
     assert model.prefix_cache.reused_tokens - before == 32  # two whole chunks were not prefilled
     spec = speculating.speculator
     assert spec.proposed > 0 and spec.accepted >= 0.9 * spec.proposed, (spec.accepted, spec.proposed)
@@ -96,25 +96,13 @@ def test_sampled_tokens_with_sampled_draft_guesses_are_distributed_as_the_model_
     is p up to rounding), where a guess proposed with certainty would be kept with p(guess)
     alone; the other random model keeps fewer."""
     model = request.getfixturevalue(f"with_{which}")
-    prompt = _looping_prompt(21, 30)
-    params = SamplingParams(temperature=1.0, top_k=3)
-
-    def distribution(ids):
-        return probabilities(model(torch.tensor([ids]))[0, -1][None], params)[0]
-
-    first = distribution(prompt)
-    following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
     engine = always_checking(Engine(model))
     draws = 1200
-    pairs = [tuple(_run(engine, [model.request(prompt, 3, SamplingParams(temperature=1.0, top_k=3, seed=seed),
-                                               stop_at_eos=False)])[0][:2]) for seed in range(draws)]
+    p_value = two_sampled_tokens_p_value(model, engine, looping_prompt(21, 30), SamplingParams(temperature=1.0, top_k=3),
+                                         draws)
     spec = engine.speculator
     assert spec.checks >= draws
-    cells = [(a, b) for a, p in following.items() for b in p.nonzero().flatten().tolist()]
-    expected = torch.tensor([float(first[a] * following[a][b]) for a, b in cells], dtype=torch.float64)
-    observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
-    assert observed.sum() == draws
-    assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
+    assert p_value > P_VALUE_FLOOR
     kept = spec.accepted / spec.proposed
     if which == "copy":
         assert kept > 0.95, kept  # q is p up to rounding: min(1, p / q) keeps nearly all

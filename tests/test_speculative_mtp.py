@@ -16,16 +16,17 @@ import openai
 import pytest
 import torch
 
-from helpers.checkpoints.mtp import make_mtp_checkpoint, train_mtp_layer, training_prompts, transformers_mtp
 from bench.serve_load import ServerProcess, free_port, metrics
+from helpers.checkpoints.mtp import make_mtp_checkpoint, train_mtp_layer, training_prompts, transformers_mtp
 from helpers.checkpoints.tiny import make_checkpoint
 from helpers.compare import relative_l2
 from helpers.graph_checks import no_recompiles
+from helpers.speculation import (P_VALUE_FLOOR, always_checking, run_requests, two_sampled_tokens_p_value,
+                                 verify_beside_decode)
 from qrt import runtime
 from qrt.errors import UnsupportedError
 from qrt.runtime.engine import Engine
-from qrt.runtime.sampling import SamplingParams, probabilities
-from test_speculative import P_VALUE_FLOOR, _chi_square_p, _run, always_checking
+from qrt.runtime.sampling import SamplingParams
 from tiny_tokenizer import write_tokenizer
 
 K, SLOTS, MAX_SEQ_LEN, VOCAB = 3, 3, 128, 300
@@ -113,11 +114,11 @@ def _first_guesses_are_transformers_argmaxes(folder, requests, tokens, first):
 
 def test_greedy_tokens_equal_plain_decoding_and_first_guesses_are_the_layers(folder, eager):
     requests = _requests(eager)
-    alone = [_run(Engine(eager, speculate=False), [r])[0] for r in requests]
+    alone = [run_requests(Engine(eager, speculate=False), [r])[0] for r in requests]
     speculating = always_checking(Engine(eager))
     first = _recording_first_guesses(speculating)
-    assert [_run(speculating, [r])[0] for r in requests] == alone
-    assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
+    assert [run_requests(speculating, [r])[0] for r in requests] == alone
+    assert run_requests(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
     spec = speculating.speculator
     # Measured 41% of 3 guesses a check: the first guesses nearly all kept, the chained ones less.
     assert spec.checks > 0 and 0.25 * spec.proposed < spec.accepted < spec.proposed, (spec.accepted, spec.proposed)
@@ -145,12 +146,12 @@ def compiled(folder):
 @pytest.mark.slow
 def test_compiled_greedy_tokens_equal_plain_decoding_without_recompiles(folder, compiled):
     requests = _requests(compiled)
-    alone = [_run(Engine(compiled, speculate=False), [r])[0] for r in requests]
+    alone = [run_requests(Engine(compiled, speculate=False), [r])[0] for r in requests]
     speculating = always_checking(Engine(compiled))
     first = _recording_first_guesses(speculating)
     with no_recompiles(compiled):
-        assert [_run(speculating, [r])[0] for r in requests] == alone
-        assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
+        assert [run_requests(speculating, [r])[0] for r in requests] == alone
+        assert run_requests(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
     spec = speculating.speculator
     assert 0.25 * spec.proposed < spec.accepted < spec.proposed, (spec.accepted, spec.proposed)
     _first_guesses_are_transformers_argmaxes(folder, requests, alone, first)
@@ -163,24 +164,12 @@ def test_compiled_greedy_tokens_equal_plain_decoding_without_recompiles(folder, 
 def test_sampled_tokens_with_the_layers_guesses_are_distributed_as_the_model_samples(compiled):
     """Two sampled tokens (temperature 1, top-3) after a training prompt, the second a checked
     guess drawn from the layer's distribution, against p(t1) · p(t2 | t1) over seeded draws."""
-    prompt = training_prompts(VOCAB)[0]
-    params = SamplingParams(temperature=1.0, top_k=3)
-
-    def distribution(ids):
-        return probabilities(compiled(torch.tensor([ids]))[0, -1][None], params)[0]
-
-    first = distribution(prompt)
-    following = {a: distribution(prompt + [a]) for a in first.nonzero().flatten().tolist()}
     engine = always_checking(Engine(compiled))
     draws = 1200
-    pairs = [tuple(_run(engine, [compiled.request(prompt, 3, SamplingParams(temperature=1.0, top_k=3, seed=seed),
-                                                  stop_at_eos=False)])[0][:2]) for seed in range(draws)]
+    p_value = two_sampled_tokens_p_value(compiled, engine, training_prompts(VOCAB)[0],
+                                         SamplingParams(temperature=1.0, top_k=3), draws)
     assert engine.speculator.checks >= draws
-    cells = [(a, b) for a, p in following.items() for b in p.nonzero().flatten().tolist()]
-    expected = torch.tensor([float(first[a] * following[a][b]) for a, b in cells], dtype=torch.float64)
-    observed = torch.tensor([float(sum(pair == cell for pair in pairs)) for cell in cells], dtype=torch.float64)
-    assert observed.sum() == draws
-    assert _chi_square_p(observed, expected * draws) > P_VALUE_FLOOR
+    assert p_value > P_VALUE_FLOOR
 
 
 @pytest.mark.slow
@@ -229,20 +218,11 @@ def test_in_bf16_the_verify_logits_are_the_decode_logits_bit_for_bit(tmp_path):
     for trial in range(6):
         generator = torch.Generator().manual_seed(trial)
         prompt = torch.randint(0, VOCAB, (5 + 17 * trial,), generator=generator).tolist()
-        slot = trial % SLOTS
-        fed, decoded = [int(model.prefill_chunk(prompt, 0, slot).argmax())], []
-        for place in range(K + 1):  # greedy, one token a step
-            tokens, positions = model.idle_decode_rows()
-            tokens[slot], positions[slot] = fed[-1], len(prompt) + place
-            decoded.append(model.decode_step(tokens, positions, len(prompt) + place + 1)[slot])
-            fed.append(int(decoded[-1].argmax()))
-        tokens, positions = model.idle_rows(K + 1)
-        tokens[slot], positions[slot] = torch.tensor(fed[:K + 1]), torch.arange(len(prompt), len(prompt) + K + 1)
-        verified = model.verify_step(tokens, positions, len(prompt) + K + 1)[slot]  # [k + 1, V]
+        verified, decoded, _, _ = verify_beside_decode(model, prompt, trial % SLOTS, K)
         for place in range(K + 1):
             assert torch.equal(verified[place], decoded[place]), (trial, place)
     requests = _requests(model)
-    alone = [_run(Engine(model, speculate=False), [r])[0] for r in requests]
+    alone = [run_requests(Engine(model, speculate=False), [r])[0] for r in requests]
     speculating = always_checking(Engine(model))
-    assert _run(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
+    assert run_requests(speculating, requests, arrivals=[0, 1, 4, 6]) == alone
     assert speculating.speculator.accepted > 0

@@ -60,6 +60,12 @@ class ModelGuesses(Speculator):
         drawn_from.append(q)
         return int(torch.multinomial(q, 1, generator=seq.generator))
 
+    @staticmethod
+    def guessing_now(rows) -> list:
+        """(sequence, its context, its limit, the position its step feeds) of each of `rows` (as
+        `guesses` gets them) that guesses this step: not one resting after failed guesses."""
+        return [(seq, context, limit, len(context) - 1) for seq, context, limit in rows if seq.guessing.next_guesses()]
+
     def keep_proposals(self, drawn: dict[int, list]) -> None:
         """This step's sampled guesses' distributions, by id(seq) (empty lists: greedy requests)."""
         self._drawn_from = {key: qs for key, qs in drawn.items() if qs}
@@ -84,11 +90,8 @@ class DraftSpeculator(ModelGuesses):
 
     def guesses(self, rows) -> dict[int, list[int]]:
         active = []
-        for seq, context, limit in rows:
+        for seq, context, limit, position in self.guessing_now(rows):
             state = seq.guessing
-            if not state.next_guesses():
-                continue
-            position = len(context) - 1  # of the token this step feeds
             behind = context[state.draft_position:position]
             if len(behind) > _PREFILL_LAG:
                 self.draft.prefill_chunk(behind, state.draft_position, seq.slot)

@@ -67,11 +67,9 @@ class MtpSpeculator(ModelGuesses):
 
     def guesses(self, rows) -> dict[int, list[int]]:
         active = []
-        for seq, context, limit in rows:
+        for seq, context, limit, position in self.guessing_now(rows):
+            # The pair of the token this step feeds (at `position`) waits for the token after it.
             state = seq.guessing
-            if not state.next_guesses():
-                continue
-            position = len(context) - 1  # of the token this step feeds: its pair waits for what follows
             first, count = state.draft_position, position - state.draft_position
             logits, out = self.graphs.catch_up(seq.slot, context[first + 1:position + 1], state.hidden[:count], first)
             state.draft_position, state.hidden = position, state.hidden[count:]
