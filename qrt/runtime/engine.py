@@ -29,8 +29,8 @@ import torch
 
 from .distributed import broadcast_from_first
 from .draft_speculation import DraftSpeculator
-from .mtp_speculation import MtpSpeculator
 from .logprobs import TokenLogprob, scored
+from .mtp_speculation import MtpSpeculator
 from .sampling import SamplingParams, adjusted, check_guess, sample
 from .speculative import GuessState, Speculator
 from .structured import GrammarState, GrammarTokenizer

@@ -191,7 +191,7 @@ class GraphRunner:
         chunk's own slot, which the chunk (of more tokens) overwrites next. The offset keeps the
         chunk and attended lengths apart (see _warm). The compile cache entry then gains it."""
         self.compile_timed("prefill", lambda: self._prefill([0, 0], start + 1, slot, with_hidden=False), say=True,
-                      why=f" (the first prompt longer than {self.lazy_prefill} tokens)")
+                           why=f" (the first prompt longer than {self.lazy_prefill} tokens)")
         if self.compile_cache is not None and self.saves_graphs:
             self._store_compiled_graphs(("prefill",), self.compile_seconds["prefill"])
 
