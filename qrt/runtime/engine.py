@@ -107,7 +107,7 @@ def plan_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     """Split `length` prompt tokens into prefill chunks of at most `chunk`, none of one token
     (the prefill graph's length is dynamic from 2: a lone remaining token moves into the chunk
     before it). A one-token prompt is one chunk of one (run with a filler token after it, see
-    GraphRunner._prefill_inputs)."""
+    GraphRunner.prefill_inputs)."""
     bounds = list(range(0, length, chunk)) + [length]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         bounds[-2] -= 1

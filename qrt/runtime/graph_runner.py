@@ -167,7 +167,7 @@ class GraphRunner:
 
     def _prefill(self, tokens: list[int], start: int, slot: int, with_hidden: bool):
         self.prefix_cache.overwritten(slot, start)
-        logits, hidden = self._graph("prefill", self._prefill_inputs(tokens, start, slot))
+        logits, hidden = self._graph("prefill", self.prefill_inputs(tokens, start, slot))
         return (logits[0, 0], hidden[0, :len(tokens)]) if with_hidden else logits[0, 0]
 
     def _prefill_by_decode(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
@@ -245,7 +245,7 @@ class GraphRunner:
         rows = range(len(tokens)) if slots is None else slots[:, 0].tolist()
         for slot, position in zip(rows, positions[:, 0].tolist()):
             self.prefix_cache.overwritten(slot, position)
-        returned = self._graph(role, self._step_tensors(tokens, positions, attended, slots))
+        returned = self._graph(role, self.step_tensors(tokens, positions, attended, slots))
         if not self.step_hidden:
             return returned
         logits, self.last_hidden = returned
@@ -306,14 +306,16 @@ class GraphRunner:
         at position 2, the others idle) or verify (slot 0 feeding k + 1 tokens from position 2)
         graph gets them, for tools that trace the model."""
         if role == "prefill":
-            return self._traceable(role, self._prefill_inputs(list(range(3, 9)), 0, 0))
+            return self._traceable(role, self.prefill_inputs(list(range(3, 9)), 0, 0))
         if role == "verify":
             tokens, positions, attended = self._slot0_check(3, self.speculative.width if self.speculative else 2)
-            return self._traceable(role, self._step_tensors(tokens, positions, attended))
+            return self._traceable(role, self.step_tensors(tokens, positions, attended))
         tokens, positions = self._slot0_step(3, 2)
-        return self._traceable(role, self._step_tensors(tokens.view(-1, 1), positions.view(-1, 1), 3))
+        return self._traceable(role, self.step_tensors(tokens.view(-1, 1), positions.view(-1, 1), 3))
 
-    def _prefill_inputs(self, tokens: list[int], start: int, slot: int) -> tuple:
+    def prefill_inputs(self, tokens: list[int], start: int, slot: int) -> tuple:
+        """The prefill graph's inputs for `tokens` at positions start.. of cache slot `slot`:
+        ids, positions [1, T], keys [S'], slots [1], the last token's place [1]."""
         length = len(tokens)
         logits_at = length - 1
         if length == 1:
@@ -328,8 +330,8 @@ class GraphRunner:
         index = torch.tensor([logits_at], dtype=torch.long, device=self.device)  # [1]
         return ids, positions, keys, slots, index
 
-    def _step_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
-                      slots: torch.Tensor | None = None) -> tuple:
+    def step_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int,
+                     slots: torch.Tensor | None = None) -> tuple:
         """A step graph's inputs (_GRAPH_INPUTS): ids, positions [R, W], keys [S'] (and slots [R, W])."""
         # At least 2 keys, because Dynamo specializes sizes 0 and 1 (the extra entry is masked out).
         keys = torch.arange(max(attended, 2), dtype=torch.long, device=self.device)  # [S']

@@ -41,26 +41,17 @@ class PredictionGraphs:
                                              fullgraph=True)
                          for role, fn in functions.items()}
         self.functions = functions
-        self.compile_seconds: dict[str, float] = {}
 
     def catch_up(self, slot: int, tokens: list[int], hidden: torch.Tensor, start: int):
         """Feed the pairs (hidden[j], tokens[j]) at positions start + j of cache slot `slot`:
         hidden [n, D] the model's final hidden states there, tokens the n tokens after them.
         Returns the float32 logits [V] of the token after the last, and the layer's output [D]
         there (to chain from)."""
-        count = len(tokens)
-        if count == 1:
-            # The graph's length is dynamic from 2 (Dynamo specializes 1): a filler pair goes at
-            # start + 1, which the next pair fed to this slot overwrites before anything attends it.
-            tokens, hidden = [tokens[0], 0], torch.cat([hidden, torch.zeros_like(hidden)])
-        length = len(tokens)
-        device = self.runner.device
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, T]
-        positions = torch.arange(start, start + length, dtype=torch.long, device=device)[None]  # [1, T]
-        keys = torch.arange(start + length, dtype=torch.long, device=device)  # [S']
-        slots = torch.tensor([slot], dtype=torch.long, device=device)  # [1]
-        logits_at = torch.tensor([count - 1], dtype=torch.long, device=device)  # [1]
-        hidden = hidden[None].to(device).contiguous()  # [1, T, D]
+        # The model's prefill inputs for these tokens (a lone one padded with a filler pair at
+        # start + 1, which the next pair fed to this slot overwrites before anything attends it).
+        ids, positions, keys, slots, logits_at = self.runner.prefill_inputs(tokens, start, slot)  # [1, T] ...
+        padding = torch.zeros(ids.shape[1] - len(hidden), hidden.shape[-1], dtype=hidden.dtype)
+        hidden = torch.cat([hidden, padding])[None].to(self.runner.device).contiguous()  # [1, T, D]
         if self.runner.compiles:
             for tensor, dim in ((ids, 1), (hidden, 1), (positions, 1), (keys, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim, min=2, max=self.runner.max_seq_len - 1)
@@ -71,12 +62,10 @@ class PredictionGraphs:
         """One pair per cache slot: tokens, positions [slots] (idle rows as the model's decode
         step has them), hidden [slots, D]; attention over the first `attended` entries. Returns
         float32 logits [slots, V] and the layer's outputs [slots, D]."""
-        device = self.runner.device
-        keys = torch.arange(max(attended, 2), dtype=torch.long, device=device)  # [S'] (sizes 0, 1 specialize)
+        ids, positions, keys = self.runner.step_tensors(tokens.view(-1, 1), positions.view(-1, 1), attended)
         if self.runner.compiles:
             torch._dynamo.mark_dynamic(keys, 0, min=2, max=self.runner.max_seq_len - 1)
-        logits, out = self._run("chain", tokens.view(-1, 1).to(device), hidden[:, None].to(device).contiguous(),
-                                positions.view(-1, 1).to(device), keys)
+        logits, out = self._run("chain", ids, hidden[:, None].to(self.runner.device).contiguous(), positions, keys)
         return logits[:, 0], out[:, 0]
 
     def _run(self, role: str, *inputs):
