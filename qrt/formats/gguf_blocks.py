@@ -18,8 +18,10 @@ which reads the same bytes, is what the tests hold these decoders to. A group wh
 but whose offset is not (a Q4_1 block with d = 0, a Q4_K/Q5_K sub-block with sc = 0) is that
 offset throughout: its codes become 1 with the offset as the scale and zero 0, the same weights.
 
-Q5_0, Q5_1, Q5_K and Q6_K codes are 5 and 6 bits wide; they are held in bytes, as 8-bit codes whose values
-stay below 32 or 64, so every 8-bit integer kernel runs them.
+On the CPU every type but Q8_0 runs at its own width on the kernel of `SuperblockWeights`
+(`superblock_weights`): the codes at 4, 5 or 6 bits with the file's group scales and fp16
+super-block scales. Elsewhere the 5- and 6-bit codes are held in bytes, as 8-bit codes whose values
+stay below 32 or 64 (`decode_blocks`), so every 8-bit integer kernel runs them.
 """
 
 from dataclasses import dataclass
@@ -28,10 +30,20 @@ from typing import Callable
 import torch
 
 from qrt.kernels.int_reference import IntWeights
+from qrt.kernels.superblock_reference import SuperblockWeights
 
-# A decoder: blocks uint8 [N, B, bytes] -> (codes [N, B, weights per block], scales [N, B, groups
-# per block] fp32, offsets [N, B, groups per block] fp32), weight = scale · code + offset.
-Decoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+@dataclass
+class BlockFields:
+    """A grid of blocks' fields as stored, uint8 grid [N, B, bytes] -> (shapes below); weight =
+    d · sc · (q − zero) + dmin · m per group (superblock_reference.py: sc absent is 1, m absent is 1,
+    dmin absent is no offset)."""
+
+    codes: torch.Tensor  # uint8 [N, B, weights per block]
+    d: torch.Tensor  # fp16 [N, B, 1]
+    sc: torch.Tensor | None = None  # int8 [N, B, groups per block]
+    dmin: torch.Tensor | None = None  # fp16 [N, B, 1]
+    m: torch.Tensor | None = None  # int8 [N, B, groups per block]
 
 
 @dataclass(frozen=True)
@@ -39,14 +51,16 @@ class BlockType:
     name: str
     weights: int  # weights per block along K
     bytes: int  # bytes per block
+    code_bits: int  # width of the codes in the file
     bits: int  # width of the IntWeights codes (8 for the 5- and 6-bit codes, held in bytes)
     group_size: int  # weights per scale
-    decode: Decoder
+    zero: int  # subtracted from every code
+    fields: Callable[[torch.Tensor], BlockFields]
 
 
 def _fp16(grid: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte `at` of every block as fp32: grid uint8 [N, B, bytes] -> [N, B, 1]."""
-    return grid[..., at:at + 2].contiguous().view(torch.float16).float()
+    """The fp16 at byte `at` of every block: grid uint8 [N, B, bytes] -> fp16 [N, B, 1]."""
+    return grid[..., at:at + 2].contiguous().view(torch.float16)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -57,13 +71,12 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def _q4_0(grid):
     q = torch.cat([grid[..., 2:] & 0xF, grid[..., 2:] >> 4], dim=-1)  # [N, B, 32]: low nibbles first
-    d = _fp16(grid, 0)
-    return q, d, -8 * d
+    return BlockFields(q, _fp16(grid, 0))
 
 
 def _q4_1(grid):
     q = torch.cat([grid[..., 4:] & 0xF, grid[..., 4:] >> 4], dim=-1)  # [N, B, 32]
-    return q, _fp16(grid, 0), _fp16(grid, 2)
+    return BlockFields(q, _fp16(grid, 0), dmin=_fp16(grid, 2))
 
 
 def _fifth_bits(grid: torch.Tensor, at: int) -> torch.Tensor:
@@ -76,37 +89,35 @@ def _fifth_bits(grid: torch.Tensor, at: int) -> torch.Tensor:
 
 def _q5_0(grid):
     q = torch.cat([grid[..., 6:] & 0xF, grid[..., 6:] >> 4], dim=-1) | (_fifth_bits(grid, 2) << 4)  # [N, B, 32]
-    d = _fp16(grid, 0)
-    return q, d, -16 * d
+    return BlockFields(q, _fp16(grid, 0))
 
 
 def _q5_1(grid):
     q = torch.cat([grid[..., 8:] & 0xF, grid[..., 8:] >> 4], dim=-1) | (_fifth_bits(grid, 4) << 4)  # [N, B, 32]
-    return q, _fp16(grid, 0), _fp16(grid, 2)
+    return BlockFields(q, _fp16(grid, 0), dmin=_fp16(grid, 2))
 
 
 def _q8_0(grid):
     q = grid[..., 2:] ^ 0x80  # [N, B, 32] uint8: the int8 code + 128 is its byte with the top bit flipped
-    d = _fp16(grid, 0)
-    return q, d, -128 * d
+    return BlockFields(q, _fp16(grid, 0))
 
 
 def _k_scales(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 6-bit scales and mins of a Q4_K/Q5_K block's 8 groups, from its 12 bytes at 4..15:
     bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; bytes 8-11 the low 4 bits of
     scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of bytes
-    0-3 and 4-7. Returns fp32 [N, B, 8] each."""
+    0-3 and 4-7. Returns int8 [N, B, 8] each (values < 64)."""
     packed = grid[..., 4:16].reshape(*grid.shape[:-1], 3, 4)  # [N, B, 3, 4]
     lows, mins, highs = packed.unbind(-2)
     scales = torch.cat([lows & 0x3F, (highs & 0xF) | ((lows >> 2) & 0x30)], dim=-1)
     minimums = torch.cat([mins & 0x3F, (highs >> 4) | ((mins >> 2) & 0x30)], dim=-1)
-    return scales.float(), minimums.float()
+    return scales.view(torch.int8), minimums.view(torch.int8)
 
 
 def _q4_k(grid):
     sc, m = _k_scales(grid)
     q = _nibbles(grid[..., 16:].reshape(*grid.shape[:-1], 4, 32)).flatten(-2)  # [N, B, 256]
-    return q, _fp16(grid, 0) * sc, -_fp16(grid, 2) * m
+    return BlockFields(q, _fp16(grid, 0), sc, -_fp16(grid, 2), m)  # weight d·sc·q − dmin·m: dmin negated, exactly
 
 
 def _q5_k(grid):
@@ -116,7 +127,7 @@ def _q5_k(grid):
     shifts = torch.arange(8, dtype=torch.uint8)
     high = (high_bits >> shifts[:, None]) & 1  # [N, B, 8, 32]
     q = (low | (high << 4)).flatten(-2)  # [N, B, 256], values < 32
-    return q, _fp16(grid, 0) * sc, -_fp16(grid, 2) * m
+    return BlockFields(q, _fp16(grid, 0), sc, -_fp16(grid, 2), m)
 
 
 def _q6_k(grid):
@@ -130,21 +141,38 @@ def _q6_k(grid):
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     high = (pairs >> shifts[:, None]) & 3  # [N, B, 2, 4, 32]
     q = (low | (high << 4)).flatten(-3)  # [N, B, 256], values < 64
-    d = _fp16(grid, 208)
-    scales = d * grid[..., 192:208].contiguous().view(torch.int8).float()  # [N, B, 16]
-    return q, scales, -32 * scales
+    return BlockFields(q, _fp16(grid, 208), grid[..., 192:208].contiguous().view(torch.int8))
 
 
 BLOCK_TYPES = {t.name: t for t in (
-    BlockType("Q4_0", 32, 18, 4, 32, _q4_0),
-    BlockType("Q4_1", 32, 20, 4, 32, _q4_1),
-    BlockType("Q5_0", 32, 22, 8, 32, _q5_0),
-    BlockType("Q5_1", 32, 24, 8, 32, _q5_1),
-    BlockType("Q8_0", 32, 34, 8, 32, _q8_0),
-    BlockType("Q4_K", 256, 144, 4, 32, _q4_k),
-    BlockType("Q5_K", 256, 176, 8, 32, _q5_k),
-    BlockType("Q6_K", 256, 210, 8, 16, _q6_k),
+    BlockType("Q4_0", 32, 18, 4, 4, 32, 8, _q4_0),
+    BlockType("Q4_1", 32, 20, 4, 4, 32, 0, _q4_1),
+    BlockType("Q5_0", 32, 22, 5, 8, 32, 16, _q5_0),
+    BlockType("Q5_1", 32, 24, 5, 8, 32, 0, _q5_1),
+    BlockType("Q8_0", 32, 34, 8, 8, 32, 128, _q8_0),
+    BlockType("Q4_K", 256, 144, 4, 4, 32, 0, _q4_k),
+    BlockType("Q5_K", 256, 176, 5, 8, 32, 0, _q5_k),
+    BlockType("Q6_K", 256, 210, 6, 8, 16, 32, _q6_k),
 )}
+
+
+def _grid(blocks: torch.Tensor, kind: BlockType, k: int) -> torch.Tensor:
+    """uint8 [N, K / weights, bytes] (or [N, K / weights · bytes], as gguf-py writes them) -> [N, B, bytes]."""
+    return blocks.reshape(blocks.shape[0], k // kind.weights, kind.bytes)
+
+
+def superblock_weights(blocks: torch.Tensor, ggml_type: str, k: int) -> SuperblockWeights:
+    """A tensor's blocks as the fields they store (q [N, K]), for kernels that read codes at their
+    own width with the file's two levels of scales."""
+    kind = BLOCK_TYPES[ggml_type]
+    fields = kind.fields(_grid(blocks, kind, k))
+    n = blocks.shape[0]
+
+    def flat(t):
+        return None if t is None else t.reshape(n, -1)
+
+    return SuperblockWeights(fields.codes.reshape(n, k), kind.code_bits, kind.zero, kind.group_size,
+                             flat(fields.d), flat(fields.sc), flat(fields.dmin), flat(fields.m))
 
 
 # Rows are decoded a slice at a time into the transposed codes: decoding a whole tensor at once
@@ -154,19 +182,22 @@ ROWS_PER_SLICE = 4096
 
 def decode_blocks(blocks: torch.Tensor, ggml_type: str, k: int) -> IntWeights:
     """A tensor's blocks, uint8 [N, K / weights, bytes] (or [N, K / weights · bytes], as gguf-py
-    writes them), as IntWeights (q [K, N])."""
+    writes them), as IntWeights (q [K, N]): scale d · sc per group, zero point from the type's zero
+    or from its offset dmin · m."""
     kind = BLOCK_TYPES[ggml_type]
     n = blocks.shape[0]
     groups = k // kind.group_size
-    grid = blocks.reshape(n, k // kind.weights, kind.bytes)  # [N, B, bytes]
+    grid = _grid(blocks, kind, k)  # [N, B, bytes]
     q = torch.empty(k, n, dtype=torch.uint8)  # [K, N]
     scales = torch.empty(n, groups)  # [N, K / g] fp32
     offsets = torch.empty(n, groups)
     for start in range(0, n, ROWS_PER_SLICE):
         rows = slice(start, min(start + ROWS_PER_SLICE, n))
-        codes, slice_scales, slice_offsets = kind.decode(grid[rows])
-        q[:, rows] = codes.reshape(-1, k).t()
-        scales[rows], offsets[rows] = slice_scales.reshape(-1, groups), slice_offsets.reshape(-1, groups)
+        part = superblock_weights(grid[rows], ggml_type, k)
+        slice_scales, slice_offsets = part.group_factors()  # [n, K / g]
+        q[:, rows] = part.q.t()
+        scales[rows] = slice_scales
+        offsets[rows] = -kind.zero * slice_scales if slice_offsets is None else slice_offsets
     # scale · q + offset = scale · (q − zero) with zero = −offset / scale; a group of scale 0 is its
     # offset throughout: codes 1, scale offset, zero 0.
     flat = scales == 0  # [N, K / g]

@@ -35,6 +35,9 @@ class Packed:
     weight_attributes: dict = field(default_factory=dict)
     # Plain values the layer keeps for `linear` (e.g. the int4 CPU kernel's group size)
     constants: dict = field(default_factory=dict)
+    # The tensors a kernel call takes as its weight, on which the kernel is recorded: more than
+    # `weight` where a layer runs in parts along N, each its own call.
+    kernel_tensors: tuple[str, ...] = ("weight",)
 
 
 class Layout(ABC):

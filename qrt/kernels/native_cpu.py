@@ -1,8 +1,9 @@
 """qrt's own CPU kernels (the C++ sources in csrc/: quantized_cpu.cpp, the quantized GEMVs and
 GEMMs, with fp8_codes.h; pair_gemv.h, the GEMV loop on weights packed in pairs, which
 dense_bf16_cpu.cpp runs on bf16 weights, int8_pairs_cpu.cpp on int8 codes and fp8_pairs_cpu.cpp on
-e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; int8_groups_cpu.cpp, byte-wide codes in
-groups on the pairs' layout; decode_attention_cpu.cpp, attention of one new token per row over the
+e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; superblock_cpu.cpp, 4-, 5- and 6-bit codes with two
+levels of scales (llama.cpp's block types); int8_groups_cpu.cpp, byte-wide codes in groups on the
+pairs' layout; decode_attention_cpu.cpp, attention of one new token per row over the
 KV cache; shm_all_reduce_cpu.cpp, the all-reduce of tensor-parallel ranks on one host): built
 together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
@@ -166,6 +167,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("qrt_cpu::int8_groups_linear")
     def _(x, packed, scale_offsets, bias, min_rows_dequantized):
         return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
+
+    @torch.library.register_fake("qrt_cpu::superblock_linear")
+    def _(x, codes, bits, zero, sub_scales, sub_offsets, super_scales, super_offsets, group_size, bias,
+          min_rows_dequantized):
+        return x.new_empty(x.shape[0], codes.shape[0] * 64)
 
     @torch.library.register_fake("qrt_cpu::int8pack_mm")
     def _(x, weight, scales, min_rows_dequantized):

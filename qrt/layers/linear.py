@@ -84,7 +84,7 @@ def install_packed(layer: nn.Module, packed: Packed, kernel: str, quant_format: 
     registers the name as absent."""
     for name, tensor in packed.tensors.items():
         attributes = {}
-        if name == "weight":
+        if name in packed.kernel_tensors:
             storage = packed.storage if note is None else f"{packed.storage}, {note}"
             attributes = dict(packed.weight_attributes, kernel=kernel, storage_layout=storage)
             if quant_format is not None:
