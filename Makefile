@@ -63,13 +63,14 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 # llama.cpp for the suite's comparison rows: llama-cpp-python built from source (about 10 minutes
 # on 2 cores) for AVX-512 without AMX. Some CPUs advertise AMX but fault on its tile instructions
 # when a process has not asked the kernel for them (a -march=native build died with SIGILL).
-# The server extra is what bench/serve_load.py runs as the peer; torch is named so that nothing
-# the extra pulls in can move it.
+# The server extra is what bench/serve_load.py runs as the peer; sentencepiece is what llama.cpp's
+# convert_hf_to_gguf.py imports for Llama checkpoints (bench/tools/scale_models.py); torch is
+# named so that nothing the extra pulls in can move it.
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 llama-cpp: setup
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install -q "llama-cpp-python[server]==0.3.36" "$(TORCH)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install -q "llama-cpp-python[server]==0.3.36" sentencepiece "$(TORCH)"
 
 dump: setup
 	$(PY) -m qrt dump --quant fp8 --out dump

@@ -60,7 +60,7 @@ from bench.tools.scale_models import SHAPES
 from bench.tools.scale_models import checkpoint as scale_checkpoint
 from bench.tools.scale_models import ggufs as scale_ggufs
 from bench.measure import (fmt_ratio, fmt_spread, log, machine_state, name_list, positive_int,
-                           print_machine_state, print_table, prompt_ids)
+                           print_machine_state, print_table, prompt_ids, spread)
 from bench.roofline import (cache_file, cached_bandwidth, experts_read_fraction, gguf_weight_bytes_per_token,
                             roofline_tok_s)
 from qrt.checkpoint.config import read_hf_config
@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--gguf", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
                         help="only these GGUF files of the model (e.g. Q4_K_M,Q6_K; default: all it has)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="GGUF files: run llama.cpp and qrt this many times each, alternating, each run a "
+                             "fresh process; the ratio is the median of each round's")
     parser.add_argument("--runs", type=positive_int, default=3)
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=512)
@@ -316,13 +319,27 @@ def print_same_file_ratios(rows: list[dict], batch: str) -> None:
     pairs = [(ours, theirs) for ours, theirs in pairs if theirs is not None]
     if not pairs:
         return
-    print(f"\nthe same GGUF file (decode b{batch}, medians of this run)")
+    rounds = len(pairs[0][0].get("round_decode_tok_s", [None]))
+    print(f"\nthe same GGUF file (decode b{batch}; {rounds} round(s) of one process each, alternating: "
+          f"medians over the rounds, the ratio the median of each round's, [min–max])")
     print_table(("file", "qrt tok/s", "llama.cpp tok/s", "qrt / llama.cpp"), [(
-        ours["format"].removeprefix("gguf "), _fmt(_median(ours["decode_tok_s"][batch])),
-        _fmt(_median(theirs["decode_tok_s"][batch])),
-        fmt_ratio(_median(ours["decode_tok_s"][batch]) / _median(theirs["decode_tok_s"][batch])
-                  if _median(ours["decode_tok_s"][batch]) and _median(theirs["decode_tok_s"][batch]) else None),
+        ours["format"].removeprefix("gguf "), _fmt_rounds(ours["round_decode_tok_s"]),
+        _fmt_rounds(theirs["round_decode_tok_s"]),
+        _fmt_rounds([a / b if a and b else None for a, b in zip(ours["round_decode_tok_s"],
+                                                                  theirs["round_decode_tok_s"])], ratio=True),
     ) for ours, theirs in pairs])
+
+
+def _fmt_rounds(values: list, ratio: bool = False) -> str:
+    """The median of the rounds' figures [min–max] (the failed ones left out)."""
+    measured = [v for v in values if v is not None]
+    if not measured:
+        return "—"
+    if len(measured) == 1:
+        return fmt_ratio(measured[0]) if ratio else _fmt(measured[0])
+    s = spread(measured)
+    digits = 2 if ratio else 1
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
 
 def print_expert_reads(rows: list[dict], batches: list[int], routing: tuple[int, int]) -> None:
@@ -372,9 +389,18 @@ def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
             for gguf in ggufs():
                 if args.gguf and gguf_variant(gguf) not in args.gguf:
                     continue
-                rows.append(runner.llama_cpp(gguf))
-                if "qrt" in args.engines:  # qrt on the same file, in its own quantization
-                    rows.append(runner.qrt_gguf(gguf))
+                if "qrt" not in args.engines:
+                    rows.append(runner.llama_cpp(gguf))
+                    continue
+                # qrt on the same file, in its own quantization, alternating with llama.cpp: each
+                # round's two processes ran minutes apart at most, so their ratio is the figure.
+                theirs, ours = runner.llama_cpp(gguf), runner.qrt_gguf(gguf)
+                for row in (theirs, ours):
+                    row["round_decode_tok_s"] = [_median(row["decode_tok_s"]["1"])]
+                for _ in range(args.rounds - 1):
+                    for row, again in ((theirs, runner.llama_cpp), (ours, runner.qrt_gguf)):
+                        row["round_decode_tok_s"].append(_median(again(gguf)["decode_tok_s"]["1"]))
+                rows += [theirs, ours]
     return rows, skipped
 
 
