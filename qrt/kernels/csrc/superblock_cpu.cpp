@@ -201,8 +201,12 @@ void dequantize_columns(const Weight& w, int64_t b0, int64_t blocks, uint16_t* d
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = w.block_codes(b0 + b);
       BlockFactors factors;
+      int64_t s = g_begin / w.groups_per_super, next_super = g_begin;  // divided once a run, then counted
       for (int64_t g = g_begin; g < g_end; ++g) {
-        if (g == g_begin || g % w.groups_per_super == 0) factors.load_super(w, b0 + b, g / w.groups_per_super);
+        if (g == next_super) {
+          factors.load_super(w, b0 + b, s);
+          next_super = ++s * w.groups_per_super;
+        }
         __m512 scale[4], offset[4];
         for (int c = 0; c < 4; ++c) factors.group(w, b0 + b, g, c, scale[c], offset[c]);
         for (int64_t j = g * w.group_steps; j < (g + 1) * w.group_steps; ++j) {
