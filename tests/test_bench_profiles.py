@@ -133,3 +133,17 @@ def test_structured_mask_bench_masks_every_row(tmp_path):
     # The other engines are measured where installed, and say so where not.
     for engine in ("xgrammar", "outlines-core"):
         assert re.search(rf"^{engine}, " + timing, out, re.M) or f"{engine}: not installed, skipped" in out, out
+
+
+@pytest.mark.bench  # kernel calls only, a few seconds
+def test_superblock_probe_checks_then_times_both_kernels_on_every_type(tmp_path):
+    from qrt.kernels import native_cpu
+
+    if native_cpu.why_not_wanted() is not None:
+        pytest.skip(native_cpu.why_not_wanted())
+    out = run_bench("bench.probes.cpu_superblock_options", "--shapes", "128x512", "--rounds", "1", "--in-cache",
+                    tmp_path=tmp_path)
+    rows = re.findall(r"^(Q\w+)\s+128x512\s+\d+\s+[\d.]+\s+([\d.]+)\s+\d+\s+[\d.]+\s+([\d.]+)\s+[\d.]+$", out, re.M)
+    held = {name: (float(now), float(before)) for name, now, before in rows}
+    assert set(held) == {"Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"}, out
+    assert held["Q6_K"][0] == 1.0 and held["Q6_K"][1] > 1.4  # the file's bytes, against a byte a code before
