@@ -79,6 +79,11 @@ def write_random_llama(folder: Path, shape: dict) -> None:
     config.save_pretrained(folder)
     with torch.device("meta"):
         names_shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+    write_random_weights(folder / "model.safetensors", names_shapes)
+
+
+def write_random_weights(path: Path, names_shapes: dict) -> None:
+    """Random bf16 weights of those names and shapes: norms 1, everything else N(0, INIT_STD²)."""
     generator = torch.Generator().manual_seed(SEED)
 
     def tensor(name: str, shape: tuple) -> torch.Tensor:
@@ -86,7 +91,7 @@ def write_random_llama(folder: Path, shape: dict) -> None:
             return torch.ones(shape, dtype=torch.bfloat16)
         return torch.randn(shape, generator=generator).mul_(INIT_STD).to(torch.bfloat16)
 
-    write_safetensors(folder / "model.safetensors", names_shapes, tensor)
+    write_safetensors(path, names_shapes, tensor)
 
 
 def write_safetensors(path: Path, names_shapes: dict, make_tensor) -> None:

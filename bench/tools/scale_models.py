@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.tools.random_llama import INIT_STD, SEED, cached_random_checkpoint, write_safetensors
+from bench.tools.random_llama import cached_random_checkpoint, write_random_weights
 from qrt.cache_dir import cache_root
 
 # The config values of the models whose shapes are measured (their config.json on the hub).
@@ -66,7 +66,7 @@ def ggufs(shape: str) -> list[Path]:
 
 
 def write_random(folder: Path, arch: str, values: dict) -> None:
-    """config.json, model.safetensors (random bf16, norms 1, biases small) and the default model's tokenizer."""
+    """config.json, model.safetensors (random bf16, norms 1) and the default model's tokenizer."""
     import transformers
 
     from qrt.runtime.default_model import default_model_path
@@ -78,14 +78,7 @@ def write_random(folder: Path, arch: str, values: dict) -> None:
     with torch.device("meta"):
         names_shapes = {name: tuple(t.shape) for name, t in getattr(transformers, model_cls)(config).state_dict().items()
                         if not (values.get("tie_word_embeddings") and name == "lm_head.weight")}
-    generator = torch.Generator().manual_seed(SEED)
-
-    def tensor(name: str, shape: tuple) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=torch.bfloat16)
-        return torch.randn(shape, generator=generator).mul_(INIT_STD).to(torch.bfloat16)
-
-    write_safetensors(folder / "model.safetensors", names_shapes, tensor)
+    write_random_weights(folder / "model.safetensors", names_shapes)
     for name in TOKENIZER_FILES:
         source = default_model_path() / name
         if source.is_file():

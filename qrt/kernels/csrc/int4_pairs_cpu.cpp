@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include "block_rows.h"
 #include "group_sums.h"
 #include "pair_gemv.h"
 
@@ -105,14 +106,7 @@ void rows_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
       }
     }
   }
-  for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < 4; ++c) {
-      const int64_t n0 = b * kOutputs + 16 * c;
-      __m512 value = total[r][c];
-      if (bias) value = _mm512_add_ps(value, _mm512_loadu_ps(bias + n0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (m0 + r) * n + n0), (__m256i)_mm512_cvtneps_pbh(value));
-    }
-  }
+  qrt_blocks::store_totals<Rows>(total, m0, b, bias, dst, n);
 }
 
 template <int Rows>
@@ -171,26 +165,11 @@ void dequantize_columns(const Int4Weight& w, int64_t b0, int64_t blocks, uint16_
   });
 }
 
-// Many rows: the weight dequantized to bf16 a tile of blocks at a time (about 4 MiB, in a buffer
-// kept from call to call: a fresh one page-faults on every call) and one oneDNN GEMM per tile while
-// it is in the last-level cache.
+// Many rows: the weight dequantized a tile of blocks at a time for oneDNN's GEMM (block_rows.h).
 void dequantized_rows(const at::Tensor& x, const Int4Weight& w, const at::Tensor& bias, at::Tensor& out) {
-  const int64_t k = 2 * w.half_k;
-  const int64_t tile_blocks = std::max<int64_t>(1, (int64_t{4} << 20) / (kOutputs * k * 2));
-  thread_local std::vector<uint16_t> buffer;
-  buffer.resize(std::min(tile_blocks, w.blocks) * kOutputs * k);
-  uint16_t* tile = buffer.data();
-  for (int64_t b0 = 0; b0 < w.blocks; b0 += tile_blocks) {
-    const int64_t blocks = std::min(tile_blocks, w.blocks - b0), cols = blocks * kOutputs;
-    dequantize_columns(w, b0, blocks, tile);
-    const at::Tensor weight_t = at::from_blob(tile, {k, cols}, x.options());  // [K, cols]
-    at::Tensor part = out.narrow(1, b0 * kOutputs, cols);
-    if (bias.defined()) {
-      part.copy_(at::addmm(bias.narrow(0, b0 * kOutputs, cols), x, weight_t));
-    } else {
-      part.copy_(at::mm(x, weight_t));
-    }
-  }
+  qrt_blocks::dequantized_rows(x, w.blocks, bias, out, [&](int64_t b0, int64_t count, uint16_t* tile) {
+    dequantize_columns(w, b0, count, tile);
+  });
 }
 
 at::Tensor int4_pairs_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offsets,
