@@ -43,10 +43,6 @@ _lib.define("superblock_linear(Tensor x, Tensor codes, Tensor? sub_scales, Tenso
             "Tensor? super_offsets, Tensor? bias, int bits, int zero, int group_size) -> Tensor")
 
 
-def step_bytes(bits: int) -> int:
-    return 64 + 16 * (bits - 4)
-
-
 def packable(w: SuperblockWeights, dtype: torch.dtype) -> bool:
     n, k = w.q.shape
     return (dtype == torch.bfloat16 and w.bits in (4, 5, 6) and n % OUTPUTS_PER_BLOCK == 0
@@ -54,7 +50,7 @@ def packable(w: SuperblockWeights, dtype: torch.dtype) -> bool:
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes q [N, K] -> uint8 [N / 64, K / 2, step_bytes(bits)] (the layout above)."""
+    """Codes q [N, K] -> uint8 [N / 64, K / 2, 64 + 16 (bits - 4)] (the layout above)."""
     n, k = q.shape
     codes = q.t().contiguous()  # [K, N]
     nibbles = int4_pairs_cpu.pack_codes(codes & 0xF)  # [N / 64, K / 2, 64]
