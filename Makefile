@@ -36,7 +36,7 @@ test-slow: setup
 	$(PY) -m pytest -m slow
 
 # The bench scripts run end to end on tiny models, so that they cannot rot (CI runs this too).
-test-bench: setup
+test-bench: setup $(VENV)/.bench-installed
 	$(PY) -m pytest -m bench
 
 # Checkpoints quantized by the real producers, each in a virtualenv of its own pins, cached by a

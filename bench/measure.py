@@ -46,13 +46,29 @@ def machine_state() -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "cpu": cpu_name(),  # the CPU varies between machines of one kind: every figure says which
+        "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name as /proc/cpuinfo (and lscpu) gives it, or the platform's guess."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def print_machine_state(state: dict) -> None:
     load1, load5, load15 = state["loadavg"]
-    print(f"load average {load1:.2f} {load5:.2f} {load15:.2f}; torch threads {state['torch_threads']} "
-          f"of {state['cpu_count']} CPUs; torch {state['torch']}, transformers {state['transformers']}")
+    print(f"{state['date']}, {state['cpu']}; load average {load1:.2f} {load5:.2f} {load15:.2f}; "
+          f"torch threads {state['torch_threads']} of {state['cpu_count']} CPUs; torch {state['torch']}, "
+          f"transformers {state['transformers']}")
     if load1 > BUSY_LOAD:
         print(f"WARNING: 1-minute load average {load1:.2f} > {BUSY_LOAD}: another job is using the CPUs, "
               f"and figures taken under load can be wrong by several times")

@@ -3,6 +3,7 @@
     python -m bench.serve_load                                  # the default model, bf16
     python -m bench.serve_load --levels 1,8 --duration 20 --soak 0
     python -m bench.serve_load PATH --quant int4 --json bench/results/serve_load.json
+    python -m bench.serve_load --levels 1,4,8,16 --soak 0 --chart docs/img/serve-load.png
 
 It starts `qrt serve` (a fresh process on a free localhost port), then for each level of
 concurrency runs that many clients for --duration seconds. Each client sends completions one
@@ -103,6 +104,8 @@ def parse_args(argv=None):
                         help="CPU threads of each server, qrt's and llama.cpp's alike (default: every core)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp even when it is installed")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--chart", type=Path, default=None,
+                        help="write a PNG of latency and throughput against load here (needs matplotlib)")
     return parser.parse_args(argv)
 
 
@@ -494,7 +497,22 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.chart:
+        write_chart(report, args.chart)
     return 0
+
+
+def write_chart(report: dict, path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        print('note: no chart: matplotlib is not installed (pip install -e ".[bench]")')
+        return
+    from bench.tools.load_chart import write_load_chart
+
+    machine = report["machine"]
+    title = (f"qrt serve --max-batch {report['args']['max_batch']}: {report['args']['duration']:.0f} s per level, "
+             f"{machine.get('cpu', 'CPU')}, {machine.get('date', '')}")
+    write_load_chart(report["levels"], path, title)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

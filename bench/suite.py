@@ -441,7 +441,7 @@ def main(argv=None) -> int:
             print('note: no chart: matplotlib is not installed (pip install -e ".[bench]")')
         else:
             title = (f"{model_name}: decode after a {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
-                     f"{threads} threads")
+                     f"{threads} threads; {state['cpu']}, {state['date']}")
             write_chart(rows, batches, args.chart, title)
             print(f"wrote {args.chart}")
     failed = any(row["errors"] for row in rows)

@@ -2,6 +2,7 @@
 with abandoned requests, the levels again without prefix caching, the table and the JSON. Tiny sizes measure nothing; the test checks that
 every figure is there, nothing failed, and the soak left every slot free."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,10 +21,14 @@ def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
                              "--duration", "3", "--prompt-tokens", "8,40", "--max-tokens", "12", "--max-batch", "2",
                              "--max-seq-len", "256", "--soak", "6", "--soak-clients", "3", "--cancel-rate", "0.5",
                              "--no-peer", "--shared-prefix", "8", "--compare-prefix-caching",
-                             "--json", str(report_path)],
+                             "--json", str(report_path), "--chart", str(tmp_path / "load.png")],
                             cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "output tok/s" in result.stdout and "soak:" in result.stdout, result.stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "no chart: matplotlib is not installed" in result.stdout
     report = json.loads(report_path.read_text())
     assert [(row["engine"], row["clients"]) for row in report["levels"]] == [
         ("qrt", 1), ("qrt", 2), ("qrt, no prefix caching", 1), ("qrt, no prefix caching", 2)]
