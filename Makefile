@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: setup demo test test-slow test-bench test-producers producer-kit bench bench-suite llama-cpp dump clean
+.PHONY: setup demo test test-slow test-bench test-producers producer-kit bench bench-suite chart llama-cpp dump clean
 
 setup: $(VENV)/.installed
 
@@ -54,6 +54,14 @@ bench: setup
 MODEL ?= default
 bench-suite: setup $(VENV)/.bench-installed
 	$(PY) -m bench.suite --model $(MODEL) --json bench/results/suite.json --chart bench/results/suite.png
+
+# The README's chart (docs/img/suite.png) and headline table: qrt and llama.cpp on llama.cpp's own
+# files of a 1B model (random weights, Llama-3.2-1B's shape), alternating rounds. Needs `make
+# llama-cpp`; writes the files it measures on first use (several GB under ~/.cache/qrt/bench).
+chart: setup $(VENV)/.bench-installed
+	$(PY) -m bench.suite --model llama-3.2-1b --engines qrt,llama.cpp --quant bf16 --gguf Q4_0,Q4_K_M,Q6_K,Q8_0 \
+		--rounds 2 --runs 2 --prompt-tokens 128 --new-tokens 64 --batch 2 --threads 2 \
+		--json bench/results/suite-1b.json --chart docs/img/suite.png
 
 # The suite's chart needs matplotlib, the `bench` extra.
 $(VENV)/.bench-installed: $(VENV)/.installed
