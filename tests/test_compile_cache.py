@@ -3,6 +3,7 @@ reported in one line and rebuilt, the key follows what the graphs depend on, and
 clears entries."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -156,3 +157,26 @@ def test_lazy_prefill_compiles_decode_alone_and_the_entry_gains_prefill_later(ll
     # orders. The same prompt one position on differs by 0.25.
     by_prefill = full.prefill_chunk(PROMPT, 0, 0)
     assert (short_by_decode - by_prefill).norm() / by_prefill.norm() < 1e-5
+
+
+def test_a_cache_folder_that_cannot_be_written_warns_and_runs_uncached(llama_dir, tmp_path, monkeypatch, capfd):
+    # Not a folder at all: mkdir under a regular file fails for every user, root included (the
+    # mode bits of a read-only folder would not stop root).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("QRT_CACHE_DIR", str(blocker / "qrt-cache"))
+    inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # qrt points it elsewhere; restored below
+    try:
+        model = start(llama_dir)
+    finally:
+        if inductor_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    err = capfd.readouterr().err
+    assert "cannot be written; compiling without a cache" in err
+    assert "could not write the compile cache entry" in err
+    assert model.cache_hit is False
+    eager = start(llama_dir, compile=False)
+    assert (model.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)
+            == eager.generate(PROMPT, max_new_tokens=8, stop_at_eos=False))

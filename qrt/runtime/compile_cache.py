@@ -19,6 +19,7 @@ temporary file and renamed into place, so a reader sees a whole entry or none. A
 corrupt entry is reported in one line, deleted and rebuilt.
 """
 
+import atexit
 import hashlib
 import json
 import os
@@ -65,9 +66,31 @@ def use_qrt_inductor_dir() -> Path:
     if chosen is not None and os.path.abspath(chosen) not in (os.path.abspath(default_cache_dir()), _set_by_qrt):
         return Path(chosen)
     folder = qrt_inductor_dir()
+    if not _writable(folder):
+        # Inductor must write its generated code and compiled kernels somewhere before it can load
+        # them; a cache folder that is read-only (or not a folder) would stop the compile. Compile
+        # into a folder of this process instead: the run works, uncached.
+        fallback = Path(tempfile.mkdtemp(prefix="qrt-inductor-"))
+        atexit.register(shutil.rmtree, fallback, ignore_errors=True)
+        print(f"qrt: warning: the cache folder {folder} cannot be written; compiling without a cache "
+              f"(set QRT_CACHE_DIR to a writable folder to keep compiled graphs between runs)",
+              file=sys.stderr, flush=True)
+        folder = fallback
     _set_by_qrt = os.path.abspath(folder)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _set_by_qrt
     return folder
+
+
+def _writable(folder: Path) -> bool:
+    """Whether a file can be made in `folder` (made if missing). Tried, not judged from the mode
+    bits: root ignores them, while a read-only mount or a full disk refuses root too."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".qrt-probe-"):
+            pass
+        return True
+    except OSError:
+        return False
 
 
 @cache
