@@ -93,43 +93,96 @@ def _check_shards(files: list[Path], weight_map: dict | None) -> None:
 
 
 def read_header(path: Path) -> list[TensorEntry]:
-    """The tensor table of one file, validated against the file's size."""
+    """The tensor table of one file, validated against the file's size before any tensor is read:
+    the header's length, encoding and JSON, each entry's dtype, shape and offsets, and the
+    entries' places in the file (docs/formats.md, "Hostile files")."""
     size = path.stat().st_size
     with open(path, "rb") as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
             raise CheckpointError(path, None, f"not a safetensors file: {size} bytes, too short for a header")
         (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(path, None, f"not a safetensors file, or truncated: header claims "
-                                  f"{header_len} bytes, the file has {size - 8} after the length field")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(path, None, f"corrupted safetensors header: not valid JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, None, "corrupted safetensors header: not a JSON object")
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(path, None, f"not a safetensors file: its header length {header_len} is over "
+                                  f"the format's limit of {MAX_HEADER_BYTES} bytes")
+        if header_len > size - 8:
+            raise CheckpointError(path, None, f"not a safetensors file, or truncated: header length {header_len} "
+                                  f"is more than the {size - 8} bytes the file has after the length field")
+        raw = handle.read(header_len)
+    if len(raw) < header_len:  # the file shrank since it was measured
+        raise CheckpointError(path, None, f"truncated: the file ends inside its {header_len}-byte header")
+    header = _json_header(path, raw)
     data_start = 8 + header_len
-    entries = [_entry(path, name, info, data_start) for name, info in header.items() if name != "__metadata__"]
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(path, None, "corrupted safetensors header: __metadata__ is not a map of strings")
+    entries = [_entry(path, name, info, data_start) for name, info in header.items()]
     _check_layout(path, entries, size)
     return entries
 
 
-def _entry(path: Path, name: str, info, data_start: int) -> TensorEntry:
+def _json_header(path: Path, raw: bytes) -> dict:
+    """The header's JSON object. UTF-8 only (json.loads would take bytes in UTF-16 or UTF-32 too),
+    and a name given twice is refused rather than letting the last entry win."""
+    def unique(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen[key] = value
+        return seen
+
     try:
-        dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
-            raise ValueError("negative or non-integer sizes")
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(path, name, f"corrupted header entry {info!r} ({err})") from None
-    if dtype_name not in DTYPES:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except UnicodeDecodeError as err:
+        raise CheckpointError(path, None, f"corrupted safetensors header: not UTF-8 ({err.reason} at header "
+                              f"byte {err.start})") from None
+    except _Duplicate as duplicate:
+        raise CheckpointError(path, duplicate.name, "the header names this tensor twice") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(path, None, f"corrupted safetensors header: not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, None, "corrupted safetensors header: not a JSON object")
+    return header
+
+
+class _Duplicate(Exception):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+MAX_DIMS = 8  # more dimensions than any weight has; the count bounds the cost of the shape's checks
+_INT64_MAX = (1 << 63) - 1
+
+
+def _entry(path: Path, name: str, info, data_start: int) -> TensorEntry:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        keys = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise CheckpointError(path, name, f"corrupted header entry: has {keys}, not dtype, shape and data_offsets")
+    dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise CheckpointError(path, name, f"unknown dtype {dtype_name!r}; known: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise CheckpointError(path, name, f"shape {shape!r} is not a list of at most {MAX_DIMS} dimensions")
+    if not all(type(d) is int and 0 <= d <= _INT64_MAX for d in shape):  # type(): a bool is no size
+        raise CheckpointError(path, name, f"shape {shape!r} has a dimension that is not an integer in "
+                              f"[0, 2^63)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        raise CheckpointError(path, name, f"data_offsets {offsets!r} are not two byte offsets")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(path, name, f"data_offsets {offsets} are out of order (begin after end)")
     dtype = DTYPES[dtype_name]
-    expected = math.prod(shape) * dtype.itemsize
+    elements = math.prod(shape)
+    if elements > _INT64_MAX:
+        raise CheckpointError(path, name, f"shape {shape} holds {elements} elements, which overflows int64")
+    expected = elements * dtype.itemsize
     if end - begin != expected:
         raise CheckpointError(path, name, f"header gives {end - begin} bytes for shape {list(shape)} "
                               f"{dtype_name}, which needs {expected}")
-    return TensorEntry(name, dtype, dtype_name, shape, data_start + begin, expected)
+    return TensorEntry(name, dtype, dtype_name, tuple(shape), data_start + begin, expected)
 
 
 def _check_layout(path: Path, entries: list[TensorEntry], size: int) -> None:
@@ -137,10 +190,13 @@ def _check_layout(path: Path, entries: list[TensorEntry], size: int) -> None:
     for entry in sorted(entries, key=lambda e: e.begin):
         if entry.begin + entry.nbytes > size:
             raise CheckpointError(path, entry.name, f"data ends at byte {entry.begin + entry.nbytes}, past "
-                                  f"the end of the file ({size} bytes): the file is truncated")
-        if previous is not None and entry.begin < previous.begin + previous.nbytes:
-            raise CheckpointError(path, entry.name, f"data overlaps tensor '{previous.name}': corrupted header")
-        previous = entry
+                                  f"the end of the file ({size} bytes): data_offsets are wrong or the file "
+                                  f"is truncated")
+        if previous is not None and entry.nbytes and entry.begin < previous.begin + previous.nbytes:
+            raise CheckpointError(path, entry.name, f"data_offsets: its data overlaps tensor '{previous.name}': "
+                                  f"corrupted header")
+        if entry.nbytes:
+            previous = entry
 
 
 def count_tensors(files: list[Path]) -> int:

@@ -13,6 +13,7 @@ from qrt.checkpoint.tokenizer import eos_token_ids
 from qrt.layers.prepack import prepack_cpu_weights
 
 from . import structured
+from .chat_template import max_render_chars, render_chat
 from .compile_cache import CompileCache, checkpoint_identity, entry_key, use_qrt_inductor_dir
 from .distributed import rank_device, tensor_parallel
 from .engine import Engine, Request
@@ -323,7 +324,9 @@ class CompiledModel(GraphRunner):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.source}: the tokenizer has no chat template; use the completions "
                              f"endpoint (or generate without chat=True)")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        # The template is the checkpoint's code: rendered in a sandbox with limits on its size, its
+        # output and its time (chat_template.py), as transformers' apply_chat_template would render it.
+        text = render_chat(self.tokenizer, messages, tools, max_render_chars(self.max_seq_len), self.source)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_ids(self, ids: torch.Tensor, allow_batch: bool) -> torch.Tensor:
