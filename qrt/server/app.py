@@ -16,6 +16,7 @@ from qrt.runtime.sampling import SamplingParams
 from . import delivery, tools
 from .api_errors import ApiError, add_error_handlers
 from .body_limit import BodyLimit
+from .chat_page import add_chat_page
 from .logprob_shapes import LogprobShapes
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .replies import Prompt, Reply, Scoring
@@ -113,6 +114,7 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
     app = FastAPI(title="qrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     add_error_handlers(app, loop.metrics)
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():

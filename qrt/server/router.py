@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .affinity import PrefixAffinity, prompt_prefix
 from .body_limit import BodyLimit
+from .chat_page import add_chat_page
 from .metrics_sum import summed_metrics
 from .protocol import error_body
 from .replicas import ReplicaPool
@@ -77,6 +78,7 @@ def create_router(pool: ReplicaPool, affinity: PrefixAffinity, *, prefix_chars: 
 
     app = FastAPI(title="qrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    add_chat_page(app)  # before the catch-all below, which would forward these paths
 
     @app.get("/health")
     async def health():
