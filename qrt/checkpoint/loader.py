@@ -30,10 +30,11 @@ def choose_dtype(device_config: DeviceConfig, hf_config: dict, source) -> torch.
 
 
 def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_config: DeviceConfig,
-               parallel: Parallelism = SINGLE, prediction_layers: bool = False) -> nn.Module:
+               parallel: Parallelism = SINGLE, prediction_layers: bool = False, lm_head: bool = True) -> nn.Module:
     """A model of `model_cls` with every weight of `checkpoint` (see source.py) loaded and
     repacked for `device_config.device`; in a sharded model (`parallel`), this rank's part of them.
     prediction_layers: with the checkpoint's multi-token-prediction layer (CausalLM.keep_prediction_layers).
+    lm_head=False: without the output layer (CausalLM.remove_lm_head), for an embedding model.
 
     Nothing half-loaded escapes: any error propagates before the model is returned."""
     dtype = choose_dtype(device_config, checkpoint.hf_config, checkpoint.config_path)
@@ -41,6 +42,8 @@ def load_model(model_cls, checkpoint, scheme, load_config: LoadConfig, device_co
         model = model_cls(checkpoint.hf_config, scheme, dtype, source=checkpoint.config_path, parallel=parallel)
         if prediction_layers:
             model.keep_prediction_layers()
+        if not lm_head:
+            model.remove_lm_head()
     materialize(model, device_config.device)
     started = time.perf_counter()
     later = []  # tensors read only if the loader pass leaves a place for them
@@ -215,6 +218,8 @@ def share_embedding_rows(model: nn.Module) -> bool:
     looks its rows up there and holds no copy, so the model holds those values once. Returns
     whether it does."""
     output, embedding = model.lm_head, model.model.embed_tokens
+    if output is None:  # a model without its head (an embedding model) reads the embedding itself
+        return False
     layout = getattr(output.quant_method, "layout", None)
     if layout is None or not layout.gathers_rows or getattr(output, "perm", None) is not None:
         return False

@@ -12,7 +12,7 @@ from qrt.checkpoint.loader import load_model
 from qrt.checkpoint.tokenizer import eos_token_ids
 from qrt.layers.prepack import prepack_cpu_weights
 
-from . import structured
+from . import embedding, structured
 from .chat_template import max_render_chars, render_chat
 from .compile_cache import CompileCache, checkpoint_identity, entry_key, use_qrt_inductor_dir
 from .distributed import rank_device, tensor_parallel
@@ -23,6 +23,8 @@ from .isa_probe import remember_isa_probes
 from .logprobs import check_top
 from .malloc import map_large_allocations
 from .mtp_graphs import PredictionGraphs
+from .pooling import Pooling, choose_pooling
+from .registry import ModelRegistry
 from .resolve import resolve
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
@@ -54,6 +56,7 @@ def compile_model(
     speculative: dict | SpeculativeConfig | None = None,
     revision: str | None = None,
     lazy_prefill: int = 0,
+    pooling: str | Pooling | None = None,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint, quantize or repack it, and compile it.
 
@@ -85,6 +88,13 @@ def compile_model(
     graph, a token a step, and the prefill graph is compiled only when a longer one comes: a
     one-off generate of a short prompt then compiles one graph instead of two (`qrt generate`
     uses 64). 0: prefill graph for every prompt, compiled by warmup.
+    pooling: make it an embedding model (`CompiledModel.embed`): "last" (the last token's final
+    hidden state) or "mean" (the mean over the tokens), L2-normalized, or a
+    `qrt.runtime.pooling.Pooling(kind, normalize)`. None: as the checkpoint folder's
+    sentence-transformers files say (modules.json, 1_Pooling/config.json), else not an embedding
+    model. An embedding model is built without its lm_head (its checkpoint may have none, as a
+    base model saved as `Qwen3Model` has not) and compiles only its encode graph: it embeds, it
+    does not generate.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -107,16 +117,22 @@ def compile_model(
     resolved = resolve(path, quant, load_config, revision=revision, progress=progress)
     path, checkpoint, hf_config = resolved.path, resolved.checkpoint, resolved.hf_config
     model_cls, scheme = resolved.model_cls, resolved.scheme
+    # sentence-transformers files are read from a checkpoint folder only (a GGUF's folder is anyone's).
+    folder = checkpoint.folder if Path(checkpoint.config_path).name == "config.json" else None
+    pooling = choose_pooling(pooling, folder, ModelRegistry.is_base_model(hf_config), checkpoint.config_path)
+    if pooling is not None and speculative is not None:
+        raise ValueError("an embedding model does not generate, so it takes no speculative decoding")
     mtp = speculative is not None and speculative.method == "mtp"
     if mtp and compile and build != "regional":
         raise ValueError("speculative method 'mtp' needs build='regional'")
-    model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel, prediction_layers=mtp)
+    model = load_model(model_cls, checkpoint, scheme, load_config, device_config, parallel, prediction_layers=mtp,
+                       lm_head=pooling is None)
     if compile and build == "regional":
         prepack_cpu_weights(model)
     place_weights_in_huge_pages(model)
     limit = model.config.max_position_embeddings
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
-    model.allocate_caches(max_batch_size, max_seq_len)
+    model.allocate_caches(max_batch_size, max_seq_len, kv_cache=pooling is None)
     tokenizer = checkpoint.load_tokenizer()
     compile_cache = None
     if compile and cache and build == "regional":
@@ -130,13 +146,15 @@ def compile_model(
             "verify_width": speculative.width if speculative else None,
             # Method "mtp" loads the prediction layer, and the step graphs return hidden states too.
             **({"prediction_layer": True} if mtp else {}),
+            # An embedding model has no lm_head and one graph, encode.
+            **({"embedding": True} if pooling is not None else {}),
         })
         compile_cache = CompileCache(key, parts)
         use_qrt_inductor_dir()
     compiled = CompiledModel(model, tokenizer, scheme, eos_token_ids(checkpoint.folder, hf_config, tokenizer),
                              compile=compile, build=build, autotune=autotune, progress=progress,
                              source=Path(path), compile_cache=compile_cache, speculative=speculative,
-                             lazy_prefill=lazy_prefill)
+                             lazy_prefill=lazy_prefill, pooling=pooling)
     if speculative is not None and speculative.method == "draft":
         if parallel.sharded:
             raise ValueError("speculative method 'draft' does not run under tensor parallelism yet; use 'ngram'")
@@ -183,9 +201,12 @@ class CompiledModel(GraphRunner):
     """A loaded model with compiled graphs (its GraphRunner), its tokenizer, and `generate` through
     the continuous-batching engine."""
 
-    def __init__(self, model, tokenizer, scheme, eos_ids: set[int], **runner_options):
-        """runner_options: GraphRunner's (compile, progress, source, build, the compile cache, ...)."""
-        super().__init__(model, quant_description=scheme.describe(), **runner_options)
+    def __init__(self, model, tokenizer, scheme, eos_ids: set[int], pooling: Pooling | None = None,
+                 **runner_options):
+        """runner_options: GraphRunner's (compile, progress, source, build, the compile cache, ...).
+        pooling: an embedding model's (pooling.py); None: a model that generates."""
+        super().__init__(model, quant_description=scheme.describe(), encoder=pooling is not None, **runner_options)
+        self.pooling = pooling
         self.tokenizer = tokenizer
         self.scheme = scheme
         self.eos_ids = eos_ids
@@ -193,6 +214,7 @@ class CompiledModel(GraphRunner):
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: LongTensor [B, T] -> float32 logits [B, T, vocab]. No KV cache involved."""
+        self._check_generates()
         input_ids = self._check_ids(input_ids, allow_batch=True)
         if input_ids.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
@@ -200,6 +222,24 @@ class CompiledModel(GraphRunner):
         if input_ids.shape[1] >= 2:  # one graph for every length (Dynamo specializes length 1)
             torch._dynamo.mark_dynamic(input_ids, 1, min=2, max=self.max_seq_len)
         return self._run("forward", input_ids)
+
+    def embed(self, inputs, *, dimensions: int | None = None) -> torch.Tensor:
+        """An embedding model's vectors: float32 [N, D] (D: hidden size, or `dimensions`) of a
+        string, a list of strings, a list of token ids or a list of token-id lists (N inputs;
+        a single string or id list gives N = 1), each pooled from its own final hidden states
+        (causal attention over its own tokens; batched with the others). dimensions: keep the
+        first d values, normalized again (Matryoshka), where the pooling normalizes."""
+        if self.pooling is None:
+            raise ValueError(f"{self.source} is not an embedding model: its folder has no sentence-transformers "
+                             f"pooling (modules.json); pass pooling='last' or 'mean' to compile_model")
+        self.pooling.check_dimensions(dimensions, self.model.config.hidden_size)
+        vectors = embedding.embed_rows(self, embedding.token_rows(self, inputs))
+        return self.pooling.shorten(vectors, dimensions)
+
+    def _check_generates(self) -> None:
+        if self.pooling is not None:
+            raise ValueError(f"{self.source} is an embedding model, built without its lm_head: it embeds (embed, "
+                             f"POST /v1/embeddings) and does not generate")
 
     @property
     def engine(self) -> Engine:
@@ -267,6 +307,7 @@ class CompiledModel(GraphRunner):
         prompt_logprobs: score the new tokens / the prompt's, with that many alternatives
         (None: off); only a request that scores its prompt may generate nothing (max_tokens 0).
         grammar: structured output (structured.py), checked here."""
+        self._check_generates()
         check_top(logprobs, "logprobs")
         check_top(prompt_logprobs, "prompt_logprobs")
         least = 0 if prompt_logprobs is not None else 1

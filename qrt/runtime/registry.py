@@ -20,6 +20,20 @@ class ModelRegistry:
                     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
     }
 
+    # transformers' base models (the decoder without its lm_head), as embedding checkpoints are
+    # saved: the causal LM's class, built without the head (CausalLM.remove_lm_head).
+    _base_models = {
+        "LlamaModel": LlamaForCausalLM, "MistralModel": MistralForCausalLM, "Qwen2Model": Qwen2ForCausalLM,
+        "Qwen3Model": Qwen3ForCausalLM, "Phi3Model": Phi3ForCausalLM, "Gemma2Model": Gemma2ForCausalLM,
+        "MixtralModel": MixtralForCausalLM, "Qwen2MoeModel": Qwen2MoeForCausalLM, "Qwen3MoeModel": Qwen3MoeForCausalLM,
+    }
+
+    @classmethod
+    def is_base_model(cls, hf_config: dict) -> bool:
+        """Whether config.json names a base model (no lm_head) rather than a causal LM."""
+        archs = hf_config.get("architectures") or []
+        return not any(arch in cls._models for arch in archs) and any(arch in cls._base_models for arch in archs)
+
     @classmethod
     def supported(cls) -> list[str]:
         """Architecture names in the order they were added (most established first)."""
@@ -33,6 +47,9 @@ class ModelRegistry:
         for arch in archs:
             if arch in cls._models:
                 return cls._models[arch]
+        for arch in archs:
+            if arch in cls._base_models:
+                return cls._base_models[arch]
         raise UnsupportedError(
             f"{source}: architecture {archs} is not supported; supported: {', '.join(cls.supported())}"
         )

@@ -1,4 +1,4 @@
-"""The HTTP side of `qrt serve`: OpenAI's completions, chat completions and models endpoints,
+"""The HTTP side of `qrt serve`: OpenAI's completions, chat completions, embeddings and models endpoints,
 health and metrics, over an EngineLoop. The routes check and translate; `Service` queues a
 request's choices on the engine, and delivery.py answers with replies.py's JSON."""
 
@@ -18,7 +18,8 @@ from .api_errors import ApiError, add_error_handlers
 from .body_limit import BodyLimit
 from .chat_page import add_chat_page
 from .logprob_shapes import LogprobShapes
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .embeddings import Embeddings
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from .replies import Prompt, Reply, Scoring
 
 RETRY_AFTER_S = 1
@@ -157,6 +158,13 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         top = body.top_logprobs or 0
         scoring = Scoring(top if body.logprobs else None, None, False, top=body.top_logprobs is not None)
         return await service.serve(body, model, [prompt], body.token_limit(), request, chat=True, scoring=scoring)
+
+    embeddings = Embeddings(service)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request):
+        service.authorize(request)
+        return await embeddings.answer(body, service.model_for(body))
 
     return app
 

@@ -31,6 +31,7 @@ class EngineLoop:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self._inbox: deque[Sequence] = deque()
+        self._jobs: deque = deque()  # (fn, asyncio loop, future) to run on the engine thread (`call`)
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name="qrt-engine", daemon=True)
@@ -42,6 +43,33 @@ class EngineLoop:
     def queue_depth(self) -> int:
         """Requests accepted but not yet in a slot."""
         return len(self._inbox) + (len(self.engine.waiting) if self.engine is not None else 0)
+
+    def call(self, fn, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Run fn() on the engine thread between two engine steps (one call a step while requests
+        run, so that a series of calls delays their tokens by one call at a time); its result, or
+        its exception, arrives on the returned future, on `loop`. For torch work beside the
+        engine's requests (embeddings): like every torch call of the server it runs on this one
+        thread, never during a step (the compiled graphs, their weights and the CPU's thread pool
+        are the engine's, and Dynamo's compiling is not thread-safe)."""
+        future = loop.create_future()
+        self._jobs.append((fn, loop, future))
+        self._wake.set()
+        return future
+
+    def pending_calls(self) -> int:
+        """Calls (`call`) not yet run."""
+        return len(self._jobs)
+
+    def _run_call(self) -> None:
+        """The oldest waiting `call`, if any (engine thread)."""
+        if not self._jobs:
+            return
+        fn, loop, future = self._jobs.popleft()
+        try:
+            result, error = fn(), None
+        except Exception as err:  # noqa: BLE001  (a call's fault is its caller's answer, not the engine's)
+            result, error = None, err
+        loop.call_soon_threadsafe(_settle, future, result, error)
 
     def active_slots(self) -> int:
         return self.engine.active if self.engine is not None else 0
@@ -102,7 +130,8 @@ class EngineLoop:
             while self._inbox:
                 added.append(self._inbox.popleft())
                 engine.add(added[-1])
-            last = self._stopping and not engine.has_work
+            self._run_call()
+            last = self._stopping and not engine.has_work and not self._jobs
             dropped = None  # one process: the engine drops what is marked cancelled
             if leader is not None and (added or engine.has_work or last or leader.heartbeat_due()):
                 dropped = leader.send(engine, added, last=last)
@@ -120,6 +149,15 @@ class EngineLoop:
                 self.metrics.count_speculation(engine.speculation_counts(), speculated)
             elif last:
                 return
-            else:
+            elif not self._jobs:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    """A call's outcome to its caller's future (on the caller's asyncio loop), unless the caller gave up."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

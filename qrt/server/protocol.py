@@ -344,3 +344,34 @@ class ChatCompletionRequest(_Generation):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request, as OpenAI allows
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (qrt/server/embeddings.py)."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[int] | list[str] | list[list[int]]  # one text or token-id list, or several
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
+    dimensions: int | None = Field(None, ge=1)  # the first d values, normalized again
+    user: str | None = None  # an end-user id for abuse tracking: recorded by nobody, changes nothing
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, v):
+        inputs = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(inputs)}")
+        for item in inputs:
+            if isinstance(item, str):
+                _valid_utf8(item, "input")
+            if not item:
+                raise ValueError("input is empty; give at least one token")
+        return v
+
+    def inputs(self) -> list:
+        """Each input (a string or token ids), in order: one embedding each."""
+        v = self.input
+        return list(v) if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]

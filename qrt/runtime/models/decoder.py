@@ -25,6 +25,11 @@ SEPARATE_PROJECTIONS = (
 )
 
 
+# (checkpoint prefix, parameter prefix) of a checkpoint saved as the base model, whose tensor
+# names lack the `model.` prefix of the causal LM's (read only by a model without its head).
+BASE_MODEL_NAMES = (("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."), ("norm.", "model.norm."))
+
+
 def _run_layer(layer, x, cos, sin, mask, positions, slots):
     return layer(x, cos, sin, mask, positions, slots)
 
@@ -83,6 +88,13 @@ class CausalLM(nn.Module):
 
     def checkpoint_names(self) -> CheckpointNames:
         """How this model's checkpoint tensors map to its parameters (read by the loader)."""
+        if self.lm_head is None:
+            # Without the head (remove_lm_head): any lm_head tensors are not read, and a checkpoint
+            # saved as the base model (transformers' `Qwen3Model`, `LlamaModel`) names its tensors
+            # without the `model.` prefix.
+            return replace(self.checkpoint_layout,
+                           ignored_prefixes=(*self.checkpoint_layout.ignored_prefixes, "lm_head."),
+                           moved=(*self.checkpoint_layout.moved, *BASE_MODEL_NAMES))
         tied = self.config.tie_word_embeddings
         weight = getattr(self.lm_head, "weight", None)  # stored formats (GPTQ) name theirs otherwise
         # A tied lm_head quantized online has its own weight, quantized from the embeddings as they stream in.
@@ -90,13 +102,15 @@ class CausalLM(nn.Module):
         return replace(self.checkpoint_layout, tied=("lm_head.weight",) if tied else (),
                        copies={"model.embed_tokens.weight": ("lm_head.weight",)} if tied and untied else {})
 
-    def allocate_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Rotary tables and the static KV cache; called once the weights are materialized."""
+    def allocate_caches(self, max_batch_size: int, max_seq_len: int, kv_cache: bool = True) -> None:
+        """Rotary tables and the static KV cache; called once the weights are materialized.
+        kv_cache=False: the rotary tables only, for a model that only runs without the cache
+        (an embedding model: hidden_states without positions)."""
         device = self.model.norm.weight.device  # (the embedding may hold no weight of its own: Embedding.share_rows_of)
         for rotary in (self.rotary, self.local_rotary):
             if rotary is not None:
                 rotary.allocate(max_seq_len, self.dtype, device)
-        layers = [*self.model.layers, *([self.mtp.block] if self.mtp is not None else [])]
+        layers = [*self.model.layers, *([self.mtp.block] if self.mtp is not None else [])] if kv_cache else []
         for layer in layers:
             layer.self_attn.allocate_cache(max_batch_size, max_seq_len, self.dtype, device)
         self.max_seq_len = max_seq_len
@@ -108,10 +122,18 @@ class CausalLM(nn.Module):
         raise UnsupportedError(f"{type(self).__name__} has no multi-token-prediction layers for speculative "
                                f"method 'mtp' (DeepSeek-V3 checkpoints have them); use 'ngram' or 'draft'")
 
+    def remove_lm_head(self) -> None:
+        """Drop the lm_head (before the weights are loaded): an embedding model reads only the
+        final hidden states, and its checkpoint may have no head at all. `logits` then refuses."""
+        self.lm_head = None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [B, T, D]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise UnsupportedError(f"{type(self).__name__} was built without its lm_head (an embedding model): "
+                                   f"it gives hidden states, not logits")
         return self.lm_head(x).float()  # [B, T, V] fp32
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -127,17 +149,23 @@ class CausalLM(nn.Module):
         None: all of them. Returns float32 logits [B, T, V]; with keep_hidden, also the final
         hidden states of every position ([B, T, D], normed: `logits` turns them into logits), from
         which a prompt's own log-probabilities are scored."""
+        hidden = self.hidden_states(input_ids, positions, keys, slots)  # [B, T, D]
+        x = hidden
+        if logits_at is not None:
+            x = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, D]
+        return (self.logits(x), hidden) if keep_hidden else self.logits(x)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      keys: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's hidden states [B, T, D] of input_ids [B, T] (the arguments as forward's):
+        what the lm_head reads, and what an embedding model pools."""
         cached, mask, sliding_mask, rope, local_rope = self._attention_inputs(input_ids, positions, keys)
         x = self.embed(input_ids)
         run_layer = _run_layer_once if self.compile_layers_once else _run_layer
         for layer in self.model.layers:
             cos, sin = local_rope if layer.sliding else rope
             x = run_layer(layer, x, cos, sin, sliding_mask if layer.sliding else mask, cached, slots)
-        hidden = self.model.norm(x)  # [B, T, D]
-        x = hidden
-        if logits_at is not None:
-            x = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, D]
-        return (self.logits(x), hidden) if keep_hidden else self.logits(x)
+        return self.model.norm(x)  # [B, T, D]
 
     def _attention_inputs(self, input_ids, positions, keys):
         """What every layer's attention takes (forward's doc): the positions K/V go to (None:
