@@ -9,6 +9,7 @@ made); the engine keeps a matcher per sequence, masks the logits after the reque
 adjustments, and ends the request when the grammar can take nothing more.
 """
 
+import functools
 import re
 
 import llguidance
@@ -17,6 +18,14 @@ import torch
 # JSON without free whitespace: a model may otherwise fill its token budget with spaces and
 # newlines, which a schema allows between any two tokens.
 _COMPACT = {"whitespace_flexible": False}
+
+# llguidance's resource limits for every grammar qrt compiles, below its defaults where a grammar
+# could otherwise cost a server a second of one thread or hundreds of MB: building the lexer's
+# expressions (initial fuel; `(a{1000}){1000}` took 0.8 s at the default 1,000,000, 0.08 s at
+# 200,000) and its states (1–2 kB each; the default 250,000 allows 500 MB). The per-step limits
+# (lexer fuel, Earley items) stay at llguidance's defaults, a few ms of one mask. A grammar over a
+# limit puts its matcher in an error state, which check() and the engine report.
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=200_000, max_lexer_states=50_000)
 
 
 def json_schema(schema: dict) -> str:
@@ -41,9 +50,16 @@ def lark(grammar: str) -> str:
 
 def check(grammar: str) -> None:
     """Raise ValueError with llguidance's message when `grammar` cannot be compiled."""
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = _validation(grammar)
     if error:
         raise ValueError(f"the structured-output grammar is invalid: {error}")
+
+
+@functools.lru_cache(maxsize=8)
+def _validation(grammar: str) -> str:
+    # Cached: a request of n choices checks its grammar once per choice, and a large one (an enum
+    # of 50,000 strings) takes 0.15 s.
+    return llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
 
 
 class GrammarTokenizer:
@@ -59,14 +75,14 @@ class GrammarTokenizer:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
 
     def matcher(self, grammar: str) -> "GrammarState":
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, grammar), self.vocab_size)
+        return GrammarState(llguidance.LLMatcher(self.tokenizer, grammar, limits=LIMITS), self.vocab_size)
 
 
 class GrammarState:
     """One sequence's place in its grammar."""
 
     def __init__(self, matcher, vocab_size: int):
-        self.matcher = matcher
+        self.matcher, self.vocab_size = matcher, vocab_size
         self.mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
         self._raise_on_error()
 
@@ -76,6 +92,15 @@ class GrammarState:
         logits = logits.clone().view(1, -1)
         llguidance.torch.apply_token_bitmask_inplace(logits, self.mask)
         return logits[0]
+
+    def first_step(self) -> None:
+        """Mask the first token and take the lowest id the grammar allows: where a lazily built
+        lexer pays for its regular expressions, and where grammars over llguidance's limits
+        (LIMITS) fail. A server tries a grammar this far before it queues the request; raises
+        ValueError when the grammar fails."""
+        row = self.masked(torch.zeros(self.vocab_size))
+        self._raise_on_error()
+        self.accept(int(row.argmax()))  # argmax: the first of the allowed tokens' equal zeros
 
     def accept(self, token: int) -> bool:
         """Take the sampled token; True once the grammar is complete (nothing may follow)."""

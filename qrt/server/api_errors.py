@@ -36,6 +36,7 @@ def add_error_handlers(app: FastAPI, metrics) -> None:
             message = f"unknown field {'.'.join(where)!r}: qrt does not take it (the OpenAI API does not define it here)"
         elif first.get("type") == "json_invalid":
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
+            where = []  # its loc is a character offset, not a field
         elif where and not message.startswith(where[-1]):
             message = f"{'.'.join(where)}: {message}"
         return JSONResponse(error_body(message, param=".".join(where) or None), status_code=400)
@@ -43,4 +44,16 @@ def add_error_handlers(app: FastAPI, metrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(err.detail), kind), status_code=err.status_code)
+        return JSONResponse(error_body(_body_problem(err.__cause__) or str(err.detail), kind),
+                            status_code=err.status_code)
+
+
+def _body_problem(cause: BaseException | None) -> str | None:
+    """What FastAPI's 400 "There was an error parsing the body" was, where qrt can say: FastAPI
+    raises it from the error of json.loads on the body's bytes."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the body is not UTF-8 text: byte 0x{cause.object[cause.start]:02x} at offset {cause.start} "
+                f"({cause.reason})")
+    if isinstance(cause, RecursionError):
+        return "the body's JSON is nested too deeply to parse"
+    return None

@@ -8,7 +8,7 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from qrt.runtime.sampling import SamplingParams
@@ -16,7 +16,9 @@ from qrt.runtime.sampling import SamplingParams
 from . import delivery, tools
 from .api_errors import ApiError, add_error_handlers
 from .body_limit import BodyLimit
+from .budgets import Budgets
 from .chat_page import add_chat_page
+from .grammar_gate import GrammarGate
 from .logprob_shapes import LogprobShapes
 from .embeddings import Embeddings
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -31,6 +33,13 @@ class Service:
     def __init__(self, loop, model_name: str, api_key: str | None, max_queue: int, tool_call_parser: str):
         self.loop, self.model_name, self.api_key = loop, model_name, api_key
         self.max_queue, self.tool_call_parser = max_queue, tool_call_parser
+        self._budgets = self._gate = None  # made with the model: they read its settings
+
+    def limits(self, model) -> tuple[Budgets, GrammarGate]:
+        if self._budgets is None:
+            self._budgets = Budgets(model.max_seq_len, model.max_batch_size, self.max_queue)
+            self._gate = GrammarGate(model)
+        return self._budgets, self._gate
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -61,6 +70,9 @@ class Service:
     async def serve(self, body, model, prompts: list[Prompt], limit: int | None, request: Request, chat: bool,
                     scoring: Scoring):
         """Check a request's choices, queue them on the engine and answer, whole or streamed."""
+        budgets, gate = self.limits(model)
+        budgets.check_choices(len(prompts), body.n)
+        budgets.check_seed(body.seed, body.n)
         prompt_tokens = sum(len(p.ids) for p in prompts)  # counted once per prompt, whatever n is
         prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + j: prompt i's j-th
         requests = []
@@ -72,14 +84,15 @@ class Service:
                                     f"{len(prompt.ids) + tokens} tokens exceeds max_seq_len ({model.max_seq_len}) "
                                     f"of this server", param="max_tokens")
             requests.append((prompt, tokens))
+        budgets.check_logprobs([(len(prompt.ids), tokens) for prompt, tokens in requests], scoring.generated,
+                               scoring.prompt, "top_logprobs" if chat and body.top_logprobs else "logprobs")
         stop_ids = _token_ids(model, list(body.stop_ids()), "stop", allow_empty=True)
-        if self.loop.queue_depth() + len(requests) > self.max_queue:
-            raise ApiError(503, f"the queue is full ({self.max_queue} requests waiting for a slot); retry shortly",
-                           "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         biases = body.biases()
         _token_ids(model, [token for token, _ in biases], "logit_bias", allow_empty=True)
+        grammar = await gate.grammar(body)
+        # No await from here to the submits: the room checked is the room the request takes.
+        budgets.check_room(self.loop.in_hand(), len(requests))
         try:
-            grammar = body.grammar()
             engine_requests = [model.request(prompt.ids, tokens, _sampling(body, biases, i % body.n),
                                              stop_at_eos=not body.ignore_eos, stop_ids=stop_ids,
                                              stop_strings=body.stop_strings(), text=True,
@@ -88,14 +101,14 @@ class Service:
                                for i, (prompt, tokens) in enumerate(requests)]
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        running = [self.loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
         reader = (tools.reader_for(model.tokenizer.chat_template) if self.tool_call_parser == "auto"
                   else self.tool_call_parser)
         reply = Reply(chat, self.model_name, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts,
                       body.tools if chat else None, body.tool_mode() if chat else None, reader)
+        # Submitted last: from here on the answer (delivery.py) owns the choices and cancels them.
+        running = [self.loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
         if body.stream:
-            return StreamingResponse(delivery.stream(running, reply, body.include_usage()),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return delivery.streamed(running, reply, body.include_usage())
         return await delivery.whole(running, reply, request)
 
 

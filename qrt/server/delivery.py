@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qrt.runtime.engine import ERROR, Update
 
@@ -48,6 +48,33 @@ async def whole(running: list, reply: Reply, request: Request):
         return JSONResponse(engine_error(failed[0]), status_code=500)
     return reply.whole([seq for seq, _ in running])
 
+
+
+class _Streamed(StreamingResponse):
+    """A stream that cancels its choices when it ends, however it ends.
+
+    The events' generator cancels them in its `finally`, but a generator that never started has
+    no `finally` to run. Starlette sends the response's start before it first asks the generator
+    for an event; under an ASGI server of spec 2.4 that send raises when the client is already
+    gone (it hung up while the request was read, checked and queued), and the generator is never
+    started: its choices would stay in the engine, holding a place in the queue and then a slot
+    until max_tokens, for nobody."""
+
+    def __init__(self, running: list, events):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.running = running
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for seq, _ in self.running:
+                seq.cancel()  # the engine frees their places at its next step
+
+
+def streamed(running: list, reply: Reply, include_usage: bool) -> StreamingResponse:
+    """The answer as server-sent events (`stream`), its choices cancelled when it ends."""
+    return _Streamed(running, stream(running, reply, include_usage))
 
 
 async def stream(running: list, reply: Reply, include_usage: bool):

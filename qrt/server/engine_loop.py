@@ -10,7 +10,7 @@ import time
 import traceback
 from collections import deque
 
-from qrt.runtime.engine import DEFAULT_CHUNK, Engine, Request, Sequence
+from qrt.runtime.engine import DEFAULT_CHUNK, ERROR, Engine, Request, Sequence, Update
 
 from .lockstep import Leader
 from .metrics import Metrics
@@ -32,6 +32,11 @@ class EngineLoop:
         self.load_error: str | None = None
         self._inbox: deque[Sequence] = deque()
         self._jobs: deque = deque()  # (fn, asyncio loop, future) to run on the engine thread (`call`)
+        # Requests in hand (in the inbox, waiting for a slot, or in one) are counted by two
+        # counters, each written by one thread: taken by the HTTP side as it submits, ended by the
+        # engine thread as each request finishes. Their difference is what admission goes by.
+        self._taken = 0
+        self._ended = 0
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name="qrt-engine", daemon=True)
@@ -40,9 +45,21 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def in_hand(self) -> int:
+        """Requests accepted and not yet ended: running in a slot, or waiting for one.
+
+        Admission goes by this count, against slots + queue places. It once went by the waiting
+        requests alone (the inbox and the engine's queue) against the queue's places: a request
+        bound for a free slot counts as waiting until the engine thread's next step moves it into
+        the slot, and under a flood on an idle server the HTTP side takes requests far faster than
+        that, so the first `--max-queue` requests filled the queue while the slots stood empty,
+        and the rest were refused (24 requests against 4 slots and 8 places: 9 admitted;
+        tests/test_server_limits.py's flood of 18: 8)."""
+        return self._taken - self._ended
+
     def queue_depth(self) -> int:
         """Requests accepted but not yet in a slot."""
-        return len(self._inbox) + (len(self.engine.waiting) if self.engine is not None else 0)
+        return max(0, self.in_hand() - self.active_slots())
 
     def call(self, fn, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """Run fn() on the engine thread between two engine steps (one call a step while requests
@@ -90,11 +107,13 @@ class EngineLoop:
                 last_token_time[0] = update.time
                 self.metrics.generated_tokens.inc()
             if update.finish_reason is not None:
+                self._ended += 1  # first: the place is free whatever happens to the answer
                 self.metrics.requests.labels(outcome=update.finish_reason).inc()
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
         seq = Sequence(request, listener)
         self.metrics.prompt_tokens.inc(len(request.prompt))
+        self._taken += 1
         self._inbox.append(seq)
         self._wake.set()
         return seq, updates
@@ -128,8 +147,13 @@ class EngineLoop:
         while True:
             added = []
             while self._inbox:
-                added.append(self._inbox.popleft())
-                engine.add(added[-1])
+                seq = self._inbox.popleft()
+                try:
+                    engine.add(seq)
+                except Exception as err:  # noqa: BLE001  (one request's fault must not end the engine thread)
+                    _refused(seq, err)
+                    continue
+                added.append(seq)
             self._run_call()
             last = self._stopping and not engine.has_work and not self._jobs
             dropped = None  # one process: the engine drops what is marked cancelled
@@ -152,6 +176,17 @@ class EngineLoop:
             elif not self._jobs:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+
+def _refused(seq: Sequence, err: BaseException) -> None:
+    """End a request the engine would not take (its `add` raised): it never entered the engine,
+    so the engine will not end it; its listener still hears that it ended."""
+    seq.finish_reason, seq.error = ERROR, err
+    try:
+        seq.listener(Update(None, "", ERROR, time.perf_counter(), err))
+    except Exception:  # noqa: BLE001  (as Engine._notify: a listener's fault is its own)
+        pass
+
 
 def _settle(future: asyncio.Future, result, error) -> None:
     """A call's outcome to its caller's future (on the caller's asyncio loop), unless the caller gave up."""

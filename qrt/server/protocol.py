@@ -65,7 +65,7 @@ class _Generation(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt, each its own sequence (seed + i with a seed)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)  # vLLM's; a finite number
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias, -100 to 100
     min_tokens: int = Field(0, ge=0)  # vLLM's: no stop token or EOS before this many new tokens
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* fields.
