@@ -1,4 +1,4 @@
-"""`python -m qrt` / `qrt`: generate, serve, eval, inspect, dump, formats, cache."""
+"""`python -m qrt` / `qrt`: generate, chat, serve, eval, inspect, dump, formats, cache."""
 
 import argparse
 import json
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from qrt.chat_terminal import MAX_NEW_TOKENS as CHAT_MAX_NEW_TOKENS, add_chat_args, run_chat
 from qrt.checkpoint.hub import is_hub_id
 from qrt.errors import QrtError
 from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
@@ -88,18 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
                               "model's own, which then needs --draft-quant)")
         sub.add_argument("--draft-quant", default=None, help="draft: quantize the draft online (such as int4)")
 
+    def add_sampling_args(sub, max_new_tokens: int):
+        sub.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                         help="the longest answer, in tokens (default: %(default)s)")
+        sub.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        sub.add_argument("--top-k", type=int, default=None)
+        sub.add_argument("--top-p", type=float, default=None)
+        sub.add_argument("--seed", type=int, default=None)
+
     gen = commands.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
     add_speculative_args(gen)
     gen.add_argument("--prompt", default=DEMO_PROMPT)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    add_sampling_args(gen, max_new_tokens=64)
     gen.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
     gen.set_defaults(handler=_generate)
+
+    chat = commands.add_parser("chat", help="a conversation in the terminal, in the model's chat template")
+    add_model_args(chat)
+    add_sampling_args(chat, max_new_tokens=CHAT_MAX_NEW_TOKENS)
+    add_chat_args(chat)
+    chat.set_defaults(handler=_chat)
 
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     add_model_args(srv)
@@ -232,6 +243,10 @@ def _generate(args) -> int:
         print(f"qrt: speculative decoding kept {speculator.accepted} of {speculator.proposed} guesses in "
               f"{speculator.checks} checks", file=sys.stderr)
     return 0
+
+
+def _chat(args) -> int:
+    return run_chat(args, lambda **options: _compile(args, **options))
 
 
 def _serve(args) -> int:
