@@ -93,8 +93,8 @@ def compile_model(
     `qrt.runtime.pooling.Pooling(kind, normalize)`. None: as the checkpoint folder's
     sentence-transformers files say (modules.json, 1_Pooling/config.json), else not an embedding
     model. An embedding model is built without its lm_head (its checkpoint may have none, as a
-    base model saved as `Qwen3Model` has not) and compiles only its encode graph: it embeds, it
-    does not generate.
+    base model saved as `Qwen3Model` has not) and compiles only its encode graphs (a batch, and
+    a lone text): it embeds, it does not generate.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -146,7 +146,7 @@ def compile_model(
             "verify_width": speculative.width if speculative else None,
             # Method "mtp" loads the prediction layer, and the step graphs return hidden states too.
             **({"prediction_layer": True} if mtp else {}),
-            # An embedding model has no lm_head and one graph, encode.
+            # An embedding model has no lm_head, and its graphs are the encode ones.
             **({"embedding": True} if pooling is not None else {}),
         })
         compile_cache = CompileCache(key, parts)

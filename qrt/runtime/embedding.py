@@ -75,17 +75,17 @@ def batches(lengths: list[int]) -> list[list[int]]:
 def encode_rows(model, rows: list[list[int]]) -> torch.Tensor:
     """One encode call: rows of token ids (checked) -> float32 pooled vectors [len(rows), D]
     (normalized where the model's pooling normalizes)."""
-    # The encode graph's sizes are dynamic from 2 (Dynamo specializes 1): a lone row gets a filler
-    # row, a one-token row a filler token after it (which nothing before it attends to).
+    # The encode graphs' lengths are dynamic from 2 (Dynamo specializes 1): a one-token row gets a
+    # filler token after it, which nothing before it attends to. (A lone row has a graph of its own.)
     width = max(2, max(len(row) for row in rows))
-    ids = torch.full((max(2, len(rows)), width), PAD, dtype=torch.long)  # [R, T]
-    lengths = torch.full((ids.shape[0],), 2, dtype=torch.long)  # [R]; filler rows: two pad tokens
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)  # [R, T]
+    lengths = torch.zeros(len(rows), dtype=torch.long)  # [R]
     for place, row in enumerate(rows):
         ids[place, :len(row)] = torch.tensor(row, dtype=torch.long)
         lengths[place] = len(row)
     with torch.no_grad():
         hidden = model.hidden_states(ids).cpu()  # [R, T, D]
-        return model.pooling.pool(hidden, lengths)[:len(rows)]  # [len(rows), D]
+        return model.pooling.pool(hidden, lengths)  # [R, D]
 
 
 def embed_rows(model, rows: list[list[int]]) -> torch.Tensor:

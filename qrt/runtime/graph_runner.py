@@ -53,11 +53,12 @@ def _one_slot_keeping_hidden(model, input_ids, positions, keys, slots):
 _GRAPH_INPUTS = {"prefill": ("input_ids", "positions", "keys", "slots", "logits_at"),
                  "decode": ("input_ids", "positions", "keys"), "verify": ("input_ids", "positions", "keys"),
                  "decode_slot": ("input_ids", "positions", "keys", "slots"),
-                 "verify_slot": ("input_ids", "positions", "keys", "slots"), "encode": ("input_ids",)}
+                 "verify_slot": ("input_ids", "positions", "keys", "slots"),
+                 "encode": ("input_ids",), "encode_one": ("input_ids",)}
 # The dims whose sizes vary between calls of a role's graph (from 2: Dynamo specializes 0 and 1).
 _DYNAMIC_DIMS = {"prefill": (("input_ids", 1), ("positions", 1), ("keys", 0)),
                  **{role: (("keys", 0),) for role in ("decode", "decode_slot", "verify", "verify_slot")},
-                 "encode": (("input_ids", 0), ("input_ids", 1))}
+                 "encode": (("input_ids", 0), ("input_ids", 1)), "encode_one": (("input_ids", 1),)}
 # The dynamic sizes in words, for a direct call's errors, by where they appear first.
 _SIZE_NAMES = {("input_ids", 1): "chunk length", ("keys", 0): "attended length", ("input_ids", 0): "rows"}
 # The most texts one call of the encode graph takes (an embedding model's batches are cut to it).
@@ -90,8 +91,8 @@ class GraphRunner:
                  autotune: bool = False, compile_cache: CompileCache | None = None,
                  speculative: SpeculativeConfig | None = None, quant_description: str = "",
                  lazy_prefill: int = 0, encoder: bool = False):
-        """encoder: an embedding model, built without its lm_head: its one graph is encode
-        (hidden_states), and it has no KV cache to step."""
+        """encoder: an embedding model, built without its lm_head: its graphs are encode and
+        encode_one (hidden_states of several rows, of one), and it has no KV cache to step."""
         self.model = model
         self.encoder = encoder
         self.source = Path(source)
@@ -136,7 +137,8 @@ class GraphRunner:
         # dynamic in length, where autotuning would pick for one length.
         self.backends = {role: QrtBackend(role, freeze=freeze, autotune=autotune and freeze and role == "decode",
                                           aot=self.saves_graphs and role in _GRAPH_INPUTS)
-                         for role in ("prefill", "decode", "decode_slot", "verify", "verify_slot", "forward", "encode")}
+                         for role in ("prefill", "decode", "decode_slot", "verify", "verify_slot", "forward", "encode",
+                                      "encode_one")}
         # Dynamo decides while tracing whether parameters become constants (Inductor freezing),
         # so the flag must be on around every call that may trace, not only inside the backend.
         self._trace_config = {"freezing": True} if freeze and compile else {}
@@ -153,7 +155,8 @@ class GraphRunner:
         # One function may serve two roles: own_copy gives each role its own code object.
         decode, one_slot = (_decode_keeping_hidden, _one_slot_keeping_hidden) if self.step_hidden else (_decode, _one_slot)
         fns = {"prefill": _prefill, "decode": decode, "decode_slot": one_slot, "verify": decode,
-               "verify_slot": one_slot, "forward": _forward, "encode": _encode}
+               "verify_slot": one_slot, "forward": _forward, "encode": _encode,
+               "encode_one": _encode}
         if compile:
             number = next(_model_numbers)
             self.graph_functions = {
@@ -206,10 +209,11 @@ class GraphRunner:
             self._store_compiled_graphs(("prefill",), self.compile_seconds["prefill"])
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [R, T, D] (model dtype) of rows of token ids [R, T] (2 <= R <=
+        """The final hidden states [R, T, D] (model dtype) of rows of token ids [R, T] (R <=
         ENCODE_ROWS, 2 <= T <= max_seq_len), each attending causally over its own tokens only,
-        without the KV cache: nothing the engine's requests hold there is touched."""
-        return self._graph("encode", (ids.to(self.device).contiguous(),))
+        without the KV cache: nothing the engine's requests hold there is touched. One row runs
+        through a graph of its own (Dynamo specializes a size of 1), not padded to two."""
+        return self._graph("encode_one" if ids.shape[0] == 1 else "encode", (ids.to(self.device).contiguous(),))
 
     def position_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The float32 logits [T, V] of final hidden states [T, D] from `prefill_chunk`: the
@@ -295,7 +299,7 @@ class GraphRunner:
     def _outputs(self, role: str) -> int:
         """How many tensors `role`'s graph returns: logits, and for prefill (and every step graph
         under step_hidden) the final hidden states."""
-        return 2 if role == "prefill" or (self.step_hidden and role not in ("forward", "encode")) else 1
+        return 2 if role == "prefill" or (self.step_hidden and role not in ("forward", "encode", "encode_one")) else 1
 
     def _named_state(self) -> dict[str, torch.Tensor]:
         """Every weight and buffer of the model by qualified name (a tied one under each name)."""
@@ -363,7 +367,8 @@ class GraphRunner:
         named = dict(zip(_GRAPH_INPUTS[role], inputs))
         for name, dim in _DYNAMIC_DIMS[role]:
             # Without the cache (encode), a text may fill every position the rotary tables hold.
-            high = (ENCODE_ROWS if dim == 0 else self.max_seq_len) if role == "encode" else self.max_seq_len - 1
+            encode = role in ("encode", "encode_one")
+            high = (ENCODE_ROWS if dim == 0 else self.max_seq_len) if encode else self.max_seq_len - 1
             torch._dynamo.mark_dynamic(named[name], dim, min=2, max=high)
         return inputs
 
@@ -463,7 +468,7 @@ class GraphRunner:
         slots, decode of one slot alone (not for sharded ranks, which would each check it for
         themselves and must run the same graphs); with speculative decoding, the verify graphs."""
         if self.encoder:
-            return ("encode",)
+            return ("encode", "encode_one")
         one_slot = self.max_batch_size > 1 and not self.parallel.sharded
         roles = (() if self.lazy_prefill else ("prefill",)) + ("decode",) + (("decode_slot",) if one_slot else ())
         if self.speculative:
@@ -482,6 +487,8 @@ class GraphRunner:
             self.decode_slot(0, 0, 2)
         elif role == "encode":  # two sizes apart, so that rows and length stay two symbols
             self.hidden_states(torch.zeros(2, 3, dtype=torch.long))
+        elif role == "encode_one":
+            self.hidden_states(torch.zeros(1, 3, dtype=torch.long))
         else:
             tokens, positions, attended = self._slot0_check(0, self.speculative.width)
             if role == "verify":
