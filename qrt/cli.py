@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests that may wait for a slot; more get 503 with Retry-After (default: 64)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    srv.add_argument("--shutdown-timeout", type=float, default=600,
+                     help="on SIGTERM or Ctrl-C, seconds the requests in hand may take to finish while new ones "
+                          "get 503; a second signal stops at once (default: 600)")
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step: a long prompt stalls running streams by "
                           "one chunk at most (default: 256)")
@@ -272,7 +275,8 @@ def _serve(args) -> int:
                                   speculative=_speculative(args)),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
-                 max_batch=args.max_batch, prefix_caching=args.prefix_caching, tool_call_parser=args.tool_call_parser)
+                 max_batch=args.max_batch, prefix_caching=args.prefix_caching, tool_call_parser=args.tool_call_parser,
+                 drain_timeout_s=args.shutdown_timeout)
 
 
 # What the front alone uses: each replica serves on a port of its own on 127.0.0.1, with its share
@@ -304,7 +308,7 @@ def _serve_replicas(args) -> int:
         env["QRT_API_KEY"] = args.api_key
     return serve_replicas(replica_command, env, args.replicas, host=args.host, port=args.port,
                           max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
-                          prefix_chars=args.affinity_prefix_chars)
+                          prefix_chars=args.affinity_prefix_chars, drain_timeout_s=args.shutdown_timeout)
 
 
 def replica_arguments(serve_parser, args) -> list[str]:

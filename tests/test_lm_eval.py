@@ -63,21 +63,23 @@ def write_tasks(folder):
         """))
 
 
-def evaluate(model: str, model_args: dict, tasks_dir) -> dict:
+def evaluate(model: str, model_args: dict, tasks_dir, tasks=("qrt_mc", "qrt_gen"), batch_size: int = 1) -> dict:
     """{task: [(per-choice loglikelihoods or the generated text, per document)]} from lm-eval."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    results = simple_evaluate(model=model, model_args=model_args, tasks=["qrt_mc", "qrt_gen"],
+    results = simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
                               task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
-                              batch_size=1, device="cpu")
+                              batch_size=batch_size, device="cpu")
     samples = results["samples"]
     by_doc = {task: sorted(samples[task], key=lambda s: s["doc_id"]) for task in samples}
-    return {
-        "qrt_mc": [[float(r[0][0]) for r in s["resps"]] for s in by_doc["qrt_mc"]],
-        "qrt_mc_greedy": [[bool(r[0][1]) for r in s["resps"]] for s in by_doc["qrt_mc"]],
-        "qrt_gen": [s["resps"][0][0] for s in by_doc["qrt_gen"]],
-    }
+    found = {}
+    if "qrt_mc" in by_doc:
+        found["qrt_mc"] = [[float(r[0][0]) for r in s["resps"]] for s in by_doc["qrt_mc"]]
+        found["qrt_mc_greedy"] = [[bool(r[0][1]) for r in s["resps"]] for s in by_doc["qrt_mc"]]
+    if "qrt_gen" in by_doc:
+        found["qrt_gen"] = [s["resps"][0][0] for s in by_doc["qrt_gen"]]
+    return found
 
 
 @pytest.fixture(scope="module")

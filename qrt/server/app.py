@@ -54,6 +54,11 @@ class Service:
         loop = self.loop
         if loop.load_error is not None:
             raise ApiError(503, f"the model failed to load: {loop.load_error}", "server_error")
+        if loop.fault is not None:
+            raise ApiError(503, f"the server is shutting down after a fault: {loop.fault}", "server_error")
+        if loop.draining.is_set():
+            raise ApiError(503, "the server is shutting down: it finishes the requests it holds and takes no new "
+                                "ones", "server_error")
         if not loop.ready.is_set():
             raise ApiError(503, "the model is still loading and compiling; GET /health says when it is ready",
                            "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -132,6 +137,8 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
 
     @app.get("/health")
     async def health():
+        if loop.fault is not None or loop.draining.is_set():  # a balancer stops sending here
+            return JSONResponse({"status": "stopping", "error": loop.fault}, status_code=503)
         if loop.ready.is_set():
             return {"status": "ok"}
         status = "failed" if loop.load_error is not None else "loading"

@@ -20,7 +20,8 @@ class EngineLoop:
     def __init__(self, load, metrics: Metrics, *, chunk_size: int = DEFAULT_CHUNK, prefix_caching: bool = True,
                  on_fatal=None):
         """load(): the CompiledModel, compiled and warm (runs on the engine thread).
-        on_fatal(message): called (on the engine thread) if loading fails."""
+        on_fatal(message): called (on the engine thread) if loading fails, or if a sharded model's
+        ranks can no longer step together."""
         self._load = load
         self.metrics = metrics
         self.chunk_size = chunk_size
@@ -30,6 +31,12 @@ class EngineLoop:
         self.engine: Engine | None = None
         self.ready = threading.Event()
         self.load_error: str | None = None
+        # Set when the engine can no longer step (a rank of a sharded model failed): the routes
+        # answer 503 with it, and the server stops with a non-zero status.
+        self.fault: str | None = None
+        # Set by the first SIGTERM or Ctrl-C (drain.py): new requests are refused while those in
+        # hand finish.
+        self.draining = threading.Event()
         self._inbox: deque[Sequence] = deque()
         self._jobs: deque = deque()  # (fn, asyncio loop, future) to run on the engine thread (`call`)
         # Requests in hand (in the inbox, waiting for a slot, or in one) are counted by two
@@ -158,7 +165,11 @@ class EngineLoop:
             last = self._stopping and not engine.has_work and not self._jobs
             dropped = None  # one process: the engine drops what is marked cancelled
             if leader is not None and (added or engine.has_work or last or leader.heartbeat_due()):
-                dropped = leader.send(engine, added, last=last)
+                try:
+                    dropped = leader.send(engine, added, last=last)
+                except Exception as err:  # noqa: BLE001  (another rank is gone: see _lose_the_group)
+                    self._lose_the_group(engine, err)
+                    return
             if engine.has_work:
                 started = time.perf_counter()
                 speculated = engine.speculation_counts()
@@ -166,6 +177,9 @@ class EngineLoop:
                     engine.step(cancelled=dropped)
                 except Exception as err:  # noqa: BLE001  (a fault outside any one request: end those in hand, go on)
                     traceback.print_exc(file=sys.stderr)
+                    if leader is not None:
+                        self._lose_the_group(engine, err)
+                        return
                     engine.fail_all(err)
                 self.metrics.step_seconds.observe(time.perf_counter() - started)
                 self.metrics.prefix_reused_tokens.inc(engine.prefix_cache.reused_tokens - reused)
@@ -176,6 +190,24 @@ class EngineLoop:
             elif not self._jobs:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+    def _lose_the_group(self, engine: Engine, err: BaseException) -> None:
+        """A sharded model's collective failed (a rank died, or raised in its step, and its peers'
+        reads saw the connection close): the ranks no longer hold the same state, and a later
+        step would wait on a rank that is gone. End every request in hand with the fault, refuse
+        the calls waiting, and stop the server rather than hang in a collective."""
+        self.fault = f"a rank of the tensor-parallel group failed ({type(err).__name__}: {err})"
+        print(f"qrt: error: {self.fault}; ending the requests in hand and shutting down", file=sys.stderr,
+              flush=True)
+        failure = RuntimeError(f"{self.fault}; the server is shutting down")
+        engine.fail_all(failure)
+        while self._inbox:
+            _refused(self._inbox.popleft(), failure)
+        while self._jobs:
+            _, loop, future = self._jobs.popleft()
+            loop.call_soon_threadsafe(_settle, future, None, failure)
+        if self._on_fatal is not None:
+            self._on_fatal(self.fault)
 
 
 def _refused(seq: Sequence, err: BaseException) -> None:

@@ -1,6 +1,6 @@
 """`qrt serve`: load and compile a model on the engine thread while uvicorn already answers
 (/health says 503 until the graphs are warm), then serve the OpenAI API until SIGTERM or Ctrl-C,
-which stop taking connections and let the requests in flight finish first. With --replicas N,
+which refuse new requests with 503 and let the requests in hand finish first (drain.py). With --replicas N,
 N such servers run as processes of their own behind a front that routes to them."""
 
 import signal
@@ -17,14 +17,16 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
     import uvicorn
 
     from .app import create_app
+    from .drain import DrainingServer
     from .engine_loop import EngineLoop
     from .metrics import Metrics
 
     metrics = Metrics()
     server_box = []
 
-    def on_fatal(message):  # the model did not load: nothing to serve
-        print(f"qrt: error: the model failed to load, shutting down: {message}", file=sys.stderr, flush=True)
+    def on_fatal(message):  # the model did not load, or its ranks can no longer step: nothing to serve
+        if loop.fault is None:
+            print(f"qrt: error: the model failed to load, shutting down: {message}", file=sys.stderr, flush=True)
         if server_box:
             server_box[0].should_exit = True
 
@@ -42,12 +44,12 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
                      max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s, tool_call_parser=tool_call_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, draining=loop.draining, in_hand=loop.in_hand, timeout_s=drain_timeout_s)
     server_box.append(server)
     print(f"qrt: listening on http://{host}:{port} (GET /health: 503 until the model is compiled)",
           file=sys.stderr, flush=True)
-    _run_until_stopped(server)
-    if loop.load_error is not None:
+    server.run()
+    if loop.load_error is not None or loop.fault is not None:
         return 1
     print("qrt: server stopped", file=sys.stderr, flush=True)
     return 0

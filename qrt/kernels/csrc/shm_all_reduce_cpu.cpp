@@ -27,7 +27,10 @@
 // The wait spins with pause for a short while (the other ranks are usually microseconds away),
 // then yields the core, then sleeps in short steps (a rank still compiling or in a long prefill
 // must not have its core taken by the ranks waiting for it), and after timeout_s fails naming
-// the rank that did not arrive.
+// the rank that did not arrive. While it sleeps it also looks, every kLivenessEvery, whether the
+// rank it waits for still exists (each rank writes its pid into the header when it maps the
+// segment): a rank that was killed or crashed fails the call at once, so that a server can end its
+// requests and stop instead of waiting out the timeout.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -35,6 +38,7 @@
 #include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -44,6 +48,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,9 +64,11 @@ constexpr int64_t kPage = 4096;
 constexpr int kPauseSpins = 2000;
 constexpr auto kYieldFor = std::chrono::milliseconds(2);
 constexpr auto kSleep = std::chrono::microseconds(50);
+constexpr auto kLivenessEvery = std::chrono::milliseconds(100);
 
 struct alignas(kCacheLine) Counter {
   std::atomic<uint64_t> published;  // the last sequence number whose slot this rank has filled
+  std::atomic<int64_t> pid;         // this rank's process, once it has mapped the segment (0 before)
 };
 static_assert(sizeof(Counter) == kCacheLine, "one counter per cache line");
 
@@ -119,6 +126,7 @@ int64_t shm_all_reduce_open(const std::string& name, int64_t rank, int64_t world
   const std::string map_error = base == MAP_FAILED ? errno_text() : "";
   close(fd);
   TORCH_CHECK(base != MAP_FAILED, "qrt_cpu::shm_all_reduce_open: mmap(", name, "): ", map_error);
+  reinterpret_cast<Counter*>(base)[rank].pid.store(getpid(), std::memory_order_release);
   std::lock_guard<std::mutex> guard(segments_lock);
   segments.push_back(std::make_unique<Segment>(
       Segment{static_cast<uint8_t*>(base), rank, world_size, slot_bytes, timeout_s}));
@@ -130,8 +138,25 @@ void shm_all_reduce_unlink(const std::string& name) {
               "): ", errno_text());
 }
 
+// Whether process `pid` has ended: gone, or a zombie its parent has not reaped yet (a killed
+// torchrun worker stays one until torchrun polls it). Ranks of one segment share a host.
+bool has_exited(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0) {
+    return errno == ESRCH;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto comm_end = text.rfind(')');  // "pid (comm) state ...": comm may hold spaces
+  if (comm_end == std::string::npos || comm_end + 2 >= text.size()) {
+    return false;  // unreadable: assume alive, and let the timeout decide
+  }
+  const char state = text[comm_end + 2];
+  return state == 'Z' || state == 'X';
+}
+
 void wait_for_every_rank(const Segment& s, uint64_t seq) {
   const auto started = std::chrono::steady_clock::now();
+  auto next_liveness_check = started + kLivenessEvery;
   for (int64_t r = 0; r < s.world_size; ++r) {
     const std::atomic<uint64_t>& published = s.counters()[r].published;
     for (int spins = 0; published.load(std::memory_order_acquire) < seq; ++spins) {
@@ -145,8 +170,14 @@ void wait_for_every_rank(const Segment& s, uint64_t seq) {
                   " ($QRT_DIST_TIMEOUT_S); rank ", r, " failed, stopped, or took another path through the model");
       if (waited < kYieldFor) {
         sched_yield();
-      } else {
-        std::this_thread::sleep_for(kSleep);
+        continue;
+      }
+      std::this_thread::sleep_for(kSleep);
+      if (std::chrono::steady_clock::now() >= next_liveness_check) {
+        next_liveness_check += kLivenessEvery;
+        const int64_t pid = s.counters()[r].pid.load(std::memory_order_acquire);
+        TORCH_CHECK(pid <= 0 || !has_exited(pid), "qrt_cpu::shm_all_reduce: rank ", r, " (pid ", pid,
+                    ") has exited; rank ", s.rank, " cannot finish all-reduce call ", seq);
       }
     }
   }
