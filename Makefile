@@ -30,7 +30,7 @@ demo: setup
 	$(PY) -m qrt generate --prompt "What is the capital of France? Answer in one sentence."
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-slow: setup
 	$(PY) -m pytest -m slow
@@ -59,8 +59,8 @@ bench-suite: setup $(VENV)/.bench-installed
 # files of a 1B model (random weights, Llama-3.2-1B's shape), alternating rounds. Needs `make
 # llama-cpp`; writes the files it measures on first use (several GB under ~/.cache/qrt/bench).
 chart: setup $(VENV)/.bench-installed
-	$(PY) -m bench.suite --model llama-3.2-1b --engines qrt,llama.cpp --quant bf16 --gguf Q4_0,Q4_K_M,Q6_K,Q8_0 \
-		--rounds 2 --runs 2 --prompt-tokens 128 --new-tokens 64 --batch 2 --threads 2 \
+	$(PY) -m bench.suite --model llama-3.2-1b --engines qrt,llama.cpp --quant bf16 --gguf Q4_0,Q4_K_M,Q8_0 \
+		--rounds 2 --runs 1 --prompt-tokens 128 --new-tokens 64 --batch 2 --threads 2 \
 		--json bench/results/suite-1b.json --chart docs/img/suite.png
 
 # The suite's chart needs matplotlib, the `bench` extra.

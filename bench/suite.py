@@ -440,7 +440,7 @@ def main(argv=None) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             print('note: no chart: matplotlib is not installed (pip install -e ".[bench]")')
         else:
-            title = (f"{model_name}: decode after a {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
+            title = (f"{model_name}: decode after a {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens\n"
                      f"{threads} threads; {state['cpu']}, {state['date']}")
             write_chart(rows, batches, args.chart, title)
             print(f"wrote {args.chart}")

@@ -147,3 +147,13 @@ def test_superblock_probe_checks_then_times_both_kernels_on_every_type(tmp_path)
     held = {name: (float(now), float(before)) for name, now, before in rows}
     assert set(held) == {"Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"}, out
     assert held["Q6_K"][0] == 1.0 and held["Q6_K"][1] > 1.4  # the file's bytes, against a byte a code before
+
+
+@pytest.mark.bench  # transformers twice and a server on the tiny chat model: about a minute
+def test_prompt_scores_probe_compares_every_path_and_the_server_bit_for_bit(chat_llama_dir, tmp_path):
+    out = run_bench("bench.probes.prompt_scores", str(chat_llama_dir), "--tokens", "80", "--small-chunk", "16",
+                    tmp_path=tmp_path)
+    rows = dict(re.findall(r"^(qrt serve, [^\n]+?request)\s+[\d.]+\s+[\d.]+\s+(yes|no)$", out, re.M))
+    # A float32 model: the served scores are the engine's, whatever the batch.
+    assert rows == {"qrt serve, one prompt a request": "yes", "qrt serve, 4 prompts in a request": "yes"}, out
+    assert "qrt engine, chunks of 16" in out and "transformers bf16" in out

@@ -159,6 +159,7 @@ def test_lazy_prefill_compiles_decode_alone_and_the_entry_gains_prefill_later(ll
     assert (short_by_decode - by_prefill).norm() / by_prefill.norm() < 1e-5
 
 
+@pytest.mark.slow  # two compiles of the tiny model, one uncached: `make test-slow`
 def test_a_cache_folder_that_cannot_be_written_warns_and_runs_uncached(llama_dir, tmp_path, monkeypatch, capfd):
     # Not a folder at all: mkdir under a regular file fails for every user, root included (the
     # mode bits of a read-only folder would not stop root).
