@@ -41,7 +41,14 @@ class Arch:
         return self.models[quant]
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+# Families whose every test runs in `make test-slow` only, to keep the quick loop in its budget:
+# Mistral's sliding window and Gemma 3's alternating layers; Gemma 2 (soft-caps), Qwen3 (q/k norms,
+# yarn) and Phi-3 (fused on disk, longrope, partial rotary) run in both.
+SLOW_FAMILIES = ("mistral", "gemma3")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FAMILIES else name
+                                        for name in ARCHS])
 def arch(request, tmp_path_factory):
     """One architecture's checkpoint and compiled models; pytest runs the tests grouped by it."""
     folder = tmp_path_factory.mktemp(request.param)

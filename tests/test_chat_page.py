@@ -38,7 +38,8 @@ WAIT_S = 60  # the longest any page state may take to come, with the tiny model 
 
 def _app(api_key=KEY):
     # An engine loop still loading its model: the API answers 503, the page is there already.
-    loading = SimpleNamespace(metrics=Metrics(), load_error=None, ready=threading.Event())
+    loading = SimpleNamespace(metrics=Metrics(), load_error=None, fault=None, ready=threading.Event(),
+                              draining=threading.Event())
     return create_app(loading, model_name=NAME, api_key=api_key)
 
 

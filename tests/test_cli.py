@@ -30,6 +30,7 @@ def test_inspect_of_an_unknown_architecture_names_the_supported_ones(llama_dir, 
     assert "LlamaForCausalLM, Qwen2ForCausalLM" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # compiles and dumps every graph, about 15 s: `make test-slow`
 def test_dump_writes_a_navigable_folder(llama_dir, tmp_path, capsys):
     out = tmp_path / "dump"
     assert main(["dump", str(llama_dir), "--quant", "fp8", "--out", str(out), "--decode-steps", "4"]) == 0

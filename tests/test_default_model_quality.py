@@ -19,6 +19,7 @@ def fp8_model():
     return runtime.compile_model(quant="fp8", progress=False, max_seq_len=256)
 
 
+@pytest.mark.slow  # fp8's own compile of the default model: `make test-slow`
 def test_fp8_answers_the_demo_question(fp8_model):
     answer = fp8_model.generate(QUESTION, max_new_tokens=24, chat=True)
     assert "Paris" in answer, answer
@@ -56,6 +57,7 @@ def _mean_agreement(model, cases) -> list[float]:
     return [(model(ids)[0, span].argmax(-1) == top1).float().mean().item() for ids, span, top1 in cases]
 
 
+@pytest.mark.slow  # fp8's own compile of the default model: `make test-slow`
 def test_fp8_agrees_with_bf16_teacher_forced(fp8_model, bf16_continuations):
     """Feed bf16's 64-token greedy continuation to both models; compare the argmax at each
     position. The bf16 side runs eagerly (the reference ops), the fp8 side compiled."""
