@@ -496,7 +496,7 @@ def main(argv=None) -> int:
     print_report(report)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))  # default=str: the chart's path
     if args.chart:
         write_chart(report, args.chart)
     return 0
