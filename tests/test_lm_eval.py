@@ -23,13 +23,11 @@ QUESTIONS = [
 ]
 
 
-def write_tasks(folder):
+def write_mc_task(folder, questions) -> None:
+    """lm-eval task `qrt_mc` in `folder`: the multiple-choice questions [(question, choices, answer)]."""
     with open(folder / "mc.jsonl", "w") as out:
-        for question, choices, answer in QUESTIONS:
+        for question, choices, answer in questions:
             out.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
-    with open(folder / "gen.jsonl", "w") as out:
-        for question, choices, _ in QUESTIONS:
-            out.write(json.dumps({"question": question, "answer": choices[0]}) + "\n")
     (folder / "qrt_mc.yaml").write_text(textwrap.dedent(f"""\
         task: qrt_mc
         dataset_path: json
@@ -44,6 +42,13 @@ def write_tasks(folder):
         metric_list:
           - metric: acc
         """))
+
+
+def write_tasks(folder):
+    write_mc_task(folder, QUESTIONS)
+    with open(folder / "gen.jsonl", "w") as out:
+        for question, choices, _ in QUESTIONS:
+            out.write(json.dumps({"question": question, "answer": choices[0]}) + "\n")
     (folder / "qrt_gen.yaml").write_text(textwrap.dedent(f"""\
         task: qrt_gen
         dataset_path: json

@@ -8,14 +8,12 @@ The questions vary in length so that the prompts are scored through every path t
 short ones, ones longer than a prefill chunk of 256 tokens (scored over two chunks), and lm-eval's
 batches of several prompts in one request."""
 
-import json
 import sys
-import textwrap
 
 import pytest
 
 from bench.serve_load import ServerProcess, free_port
-from test_lm_eval import evaluate
+from test_lm_eval import evaluate, write_mc_task
 
 KEY, NAME = "lm-eval-key", "smollm2-bf16"
 START_TIMEOUT_S = 600
@@ -97,26 +95,6 @@ LONG_QUESTIONS = [
 ]
 
 
-def write_task(folder, questions) -> None:
-    with open(folder / "mc.jsonl", "w") as out:
-        for question, choices, answer in questions:
-            out.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
-    (folder / "qrt_mc.yaml").write_text(textwrap.dedent(f"""\
-        task: qrt_mc
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {folder / "mc.jsonl"}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{question}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: answer
-        metric_list:
-          - metric: acc
-        """))
-
-
 def differences(scores: list[list[float]], reference: list[list[float]]) -> tuple[float, float, int]:
     """(mean and worst |difference| per choice, answers chosen differently) against the reference."""
     gaps = [abs(a - b) for doc, ref in zip(scores, reference) for a, b in zip(doc, ref)]
@@ -139,7 +117,7 @@ def test_served_scores_are_as_close_to_float32_as_transformers_bf16(tmp_path, mo
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     questions = QUESTIONS + LONG_QUESTIONS
     assert len(questions) >= 50
-    write_task(tmp_path, questions)
+    write_mc_task(tmp_path, questions)
     path = default_model_path()  # the bf16 folder converted from the shipped GGUF
     port = free_port()
     server = ServerProcess([sys.executable, "-m", "qrt", "serve", str(path), "--port", str(port), "--api-key", KEY,
