@@ -2,7 +2,8 @@
 GEMMs, with fp8_codes.h; pair_gemv.h, the GEMV loop on weights packed in pairs, which
 dense_bf16_cpu.cpp runs on bf16 weights, int8_pairs_cpu.cpp on int8 codes and fp8_pairs_cpu.cpp on
 e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; superblock_cpu.cpp, 4-, 5- and 6-bit codes with two
-levels of scales (llama.cpp's block types); int8_groups_cpu.cpp, byte-wide codes in groups on the
+levels of scales (llama.cpp's block types); lut4_cpu.cpp, 4-bit codes looked up in a 16-entry table
+times block scales (NF4, FP4, NVFP4, MXFP4); int8_groups_cpu.cpp, byte-wide codes in groups on the
 pairs' layout; decode_attention_cpu.cpp, attention of one new token per row over the
 KV cache; shm_all_reduce_cpu.cpp, the all-reduce of tensor-parallel ranks on one host): built
 together on first use, loaded as `torch.ops.qrt_cpu.*`.
