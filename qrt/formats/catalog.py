@@ -11,6 +11,7 @@ from .compressed_tensors import config  # noqa: F401  the compressed-tensors con
 from .compressed_tensors import int_weight_only  # noqa: F401
 from .compressed_tensors import int_w8a8  # noqa: F401
 from .compressed_tensors import marlin24  # noqa: F401
+from .compressed_tensors import nvfp4  # noqa: F401  NVFP4 (and the method ModelOpt NVFP4 shares)
 from . import gptq  # noqa: F401
 from . import awq  # noqa: F401
 from . import qqq  # noqa: F401

@@ -258,7 +258,8 @@ def _ct_activation(inputs: dict, config_path) -> str:
 
 @compressed_tensors_format("float-quantized", summary="FP8 weights per tensor, channel or block with FP8 "
                            "activations (dynamic per token or group, static per tensor), optional FP8 KV cache",
-                           matches=lambda group: group.weights.get("type") == "float")
+                           matches=lambda group: group.weights.get("type") == "float"
+                           and group.weights.get("num_bits", 8) == 8)  # 4-bit floats: nvfp4.py
 def ct_fp8_scheme(group: CompressedTensorsGroup, skip, config_path) -> QuantScheme:
     weights, inputs = group.weights, group.inputs
     if group.fmt != "float-quantized":
