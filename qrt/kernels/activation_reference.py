@@ -38,9 +38,27 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
 
 
+# gpt-oss's experts: the gate clamped from above, the up projection from both sides, and one
+# added to it; its transformers code and OpenAI's own fix alpha and the limit at these values.
+CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT = 1.702, 7.0
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate = gate.clamp(max=CLAMPED_SWIGLU_LIMIT)
+    up = up.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * CLAMPED_SWIGLU_ALPHA))
+
+
+# Gated activations that are not act(gate) * up: name -> f(gate, up), in y's dtype.
+GATED_ACTIVATIONS = {"clamped_swiglu": _clamped_swiglu}
+
+
 def act_mul(y: torch.Tensor, activation: str) -> torch.Tensor:
-    """The gated MLP's activation: y = [gate | up] ([..., 2I]) -> act(gate) * up ([..., I])."""
+    """The gated MLP's activation: y = [gate | up] ([..., 2I]) -> act(gate) * up ([..., I]), or
+    the GATED_ACTIVATIONS' own combination of the two halves."""
     gate, up = y.chunk(2, dim=-1)
+    if activation in GATED_ACTIVATIONS:
+        return GATED_ACTIVATIONS[activation](gate, up)
     return ACTIVATIONS[activation](gate) * up
 
 

@@ -19,9 +19,10 @@ _SUPPORTED_HEAD_DIM_MAX = 512
 _SUPPORTED_GROUP_MAX = 16
 
 
-def _accepts(head_dim: int = 0, group: int = 1, **facts) -> bool:
+def _accepts(head_dim: int = 0, group: int = 1, sinks: bool = False, **facts) -> bool:
+    # Attention sinks (gpt-oss) are not in the native kernel: those caches keep the reference.
     return (head_dim % 16 == 0 and 0 < head_dim <= _SUPPORTED_HEAD_DIM_MAX and group <= _SUPPORTED_GROUP_MAX
-            and native_cpu.available())
+            and not sinks and native_cpu.available())
 
 
 declare(Kernel(

@@ -17,7 +17,7 @@ from .layouts import NamedLayout
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor first, Tensor last, "
-            "float scale, float softcap, Tensor? k_scale, Tensor? v_scale) -> Tensor")
+            "float scale, float softcap, Tensor? k_scale, Tensor? v_scale, Tensor? sinks=None) -> Tensor")
 
 
 def cache_values(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -28,13 +28,15 @@ def cache_values(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.d
     return (cache.float() * scale).to(dtype)
 
 
-def decode_attention(q, k_cache, v_cache, slots, first, last, scale: float, softcap: float, k_scale, v_scale):
+def decode_attention(q, k_cache, v_cache, slots, first, last, scale: float, softcap: float, k_scale, v_scale,
+                     sinks=None):
     """q: [B, H, hd], one token per row; k_cache, v_cache: [N, KVH, S, hd] (the model dtype, or
     e4m3 with k_scale / v_scale); slots, first, last: [B] int64. Row b attends over entries
     first[b] .. last[b] (inclusive) of cache row slots[b], its H query heads grouped by KV head
     (head i reads KV head i // (H / KVH)). Scores in fp32 times `scale`, passed through
     softcap * tanh(score / softcap) when softcap > 0 (Gemma 2), softmax and the weighted sum of V
-    in fp32, rounded to q's dtype. Returns [B, H, hd]."""
+    in fp32, rounded to q's dtype. sinks: [H] or None, a learned logit per query head that joins
+    the softmax's denominator and weighs no value (gpt-oss). Returns [B, H, hd]."""
     rows, heads, hd = q.shape
     kv_heads = k_cache.shape[1]
     out = torch.empty(rows, heads, hd, dtype=q.dtype, device=q.device)  # [B, H, hd]
@@ -45,7 +47,12 @@ def decode_attention(q, k_cache, v_cache, slots, first, last, scale: float, soft
         scores = (qg @ k.transpose(-1, -2)) * scale  # [KVH, G, L]
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        out[b] = (scores.softmax(-1) @ v).view(heads, hd).to(q.dtype)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.float().view(kv_heads, heads // kv_heads, 1)  # [KVH, G, 1]
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        out[b] = (probs @ v).view(heads, hd).to(q.dtype)
     return out
 
 
@@ -53,7 +60,7 @@ _lib.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("qrt::decode_attention")
-def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale):
+def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale, sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

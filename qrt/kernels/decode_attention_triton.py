@@ -107,5 +107,6 @@ def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale)
 declare(Kernel(
     "qrt.decode_attention_triton", devices=("cuda",), serves=("qrt.decode_attention",),
     replaces="qrt.decode_attention", layout=KV_CACHE, recorded_as="attention_kernel", preference=-10,
+    accepts=lambda sinks=False, **facts: not sinks,  # attention sinks (gpt-oss) run the reference
     why="CUDA: Triton, one program per (row, query head), each row's extent read on the device "
         "(no host synchronisation; capturable in a CUDA graph)"))

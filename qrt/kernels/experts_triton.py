@@ -179,6 +179,6 @@ def _reads(gate_up: str, down: str) -> bool:
 
 declare(Kernel(
     "qrt.fused_experts_triton", devices=("cuda",), serves=("qrt.fused_experts",), layout=NamedLayout("dense or packed"),
-    accepts=lambda gate_up, down: _reads(gate_up, down),
+    accepts=lambda gate_up, down, bias=False: not bias and _reads(gate_up, down),  # it adds no biases
     why="experts on a GPU: one grouped Triton GEMM per projection over the routed pairs sorted by expert, the "
         "weight tile dequantized in registers"))

@@ -36,13 +36,13 @@ class ExpertMLP(nn.Module):
     """One expert while the checkpoint loads: gate and up fused (shards 0 and 1), then down."""
 
     def __init__(self, hidden: int, intermediate: int, *, checkpoint_prefix: str, names: tuple[str, str, str], scheme,
-                 dtype, parallel: Parallelism):
+                 dtype, parallel: Parallelism, bias: bool = False):
         super().__init__()
         gate, up, down = (f"{checkpoint_prefix}.{name}" for name in names)
         part = parallel.even(intermediate, f"{checkpoint_prefix}: the experts' intermediate size")
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=False, dtype=dtype, shard_ids=(0, 1),
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, shard_ids=(0, 1),
                                    method=scheme.method_for([gate, up]), parallel=parallel, n_slices=[part, part])
-        self.down_proj = Linear(intermediate, [hidden], bias=False, dtype=dtype, method=scheme.method_for(down),
+        self.down_proj = Linear(intermediate, [hidden], bias=bias, dtype=dtype, method=scheme.method_for(down),
                                 parallel=parallel, k_slice=part)
 
 
@@ -166,18 +166,22 @@ def _signature(linear: Linear) -> tuple:
 
 
 class FusedExperts(nn.Module):
-    """The routed experts of one MoE block: x [T, D], topk_ids / topk_weights [T, k] -> [T, D]."""
+    """The routed experts of one MoE block: x [T, D], topk_ids / topk_weights [T, k] -> [T, D].
+    bias: each projection of each expert has a bias (gpt-oss), stacked [E, N] with its weights."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, checkpoint_prefix: str,
-                 names: tuple[str, str, str], scheme, dtype, activation: str, parallel: Parallelism = SINGLE):
+                 names: tuple[str, str, str], scheme, dtype, activation: str, parallel: Parallelism = SINGLE,
+                 bias: bool = False):
         super().__init__()
         self.num_experts = num_experts
+        self.has_bias = bias
         self.activation = activation
         self.parallel = parallel
         self.checkpoint_prefix = checkpoint_prefix
         for expert in range(num_experts):  # children "0".."E-1": the checkpoint's experts.{e}.* names
             self.add_module(str(expert), ExpertMLP(hidden, intermediate, checkpoint_prefix=f"{checkpoint_prefix}.{expert}",
-                                                   names=names, scheme=scheme, dtype=dtype, parallel=parallel))
+                                                   names=names, scheme=scheme, dtype=dtype, parallel=parallel,
+                                                   bias=bias))
         self.name = None  # set by finish_loading: the name fused_experts finds these experts under
 
     def finish_loading(self, device: torch.device) -> None:
@@ -191,7 +195,8 @@ class FusedExperts(nn.Module):
         register_expert_layers(self.name, layers)
         # The experts' own kernel: the per-expert loop, or a fused one that reads this layout
         # (recorded for the swap pass, like a linear's weight.kernel).
-        kernel = choose("qrt.fused_experts", device.type, gate_up=layers.gate_up.kernel, down=layers.down.kernel)
+        kernel = choose("qrt.fused_experts", device.type, gate_up=layers.gate_up.kernel, down=layers.down.kernel,
+                        bias=self.has_bias)
         self.gate_up_proj.weight.experts_kernel = kernel.op
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from qrt.errors import ConfigError, UnsupportedError
 
 from .models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from .models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from .models.gpt_oss import GptOssForCausalLM
 from .models.llama import LlamaForCausalLM
 from .models.mistral import MistralForCausalLM
 from .models.mixtral import MixtralForCausalLM
@@ -17,7 +18,7 @@ class ModelRegistry:
         cls.__name__: cls
         for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                     Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
-                    DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
+                    DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM)
     }
 
     # transformers' base models (the decoder without its lm_head), as embedding checkpoints are

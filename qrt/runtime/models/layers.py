@@ -240,6 +240,9 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_logit_softcap
         # Set by the decoder layer: how many entries a sliding-window layer attends over (None: all).
         self.sliding_window = None
+        # [H] per query head, a learned logit in every softmax's denominator; families with attention
+        # sinks (gpt-oss) register it.
+        self.register_parameter("sinks", None)
         self.register_buffer("k_cache", None, persistent=False)  # set by allocate_cache
         self.register_buffer("v_cache", None, persistent=False)
         self.fp8_cache = scheme.kv_cache_fp8 is not None
@@ -254,7 +257,7 @@ class Attention(nn.Module):
         # The decode-attention kernel for this cache, which the attention swap pass reads from the
         # op's k_cache argument (qrt/passes/swap_attention.py).
         self.k_cache.attention_kernel = choose("qrt.decode_attention", device.type, head_dim=self.head_dim,
-                                     group=self.num_heads // self.num_kv_heads).op
+                                     group=self.num_heads // self.num_kv_heads, sinks=self.sinks is not None).op
 
     def _write_cache(self, k, v, positions, slots) -> None:
         """Store k, v ([B, KVH, T, hd]) at `positions` of cache rows `slots` (quantized first for
@@ -284,8 +287,9 @@ class Attention(nn.Module):
             slots = slots.reshape(-1)
         scale_k, scale_v = (self.k_scale, self.v_scale) if self.fp8_cache else (None, None)
         queries = q.transpose(1, 2).reshape(bsz * seq, self.num_heads, self.head_dim)  # [B*T, H, hd]
+        sinks = () if self.sinks is None else (self.sinks,)  # absent for the kernels that have no sinks
         out = torch.ops.qrt.decode_attention(queries, self.k_cache, self.v_cache, slots, first, last, self.scale,
-                                             self.softcap or 0.0, scale_k, scale_v)
+                                             self.softcap or 0.0, scale_k, scale_v, *sinks)
         return out.view(bsz, seq, self.num_heads * self.head_dim)
 
     def forward(self, x, cos, sin, mask, positions, slots):
@@ -319,7 +323,9 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(bsz, self.num_kv_heads, group * seq, self.head_dim)  # [B, KVH, G*T, hd]
         mask = mask.repeat(1, group, 1).unsqueeze(1)  # [B, 1, G*T, S']
-        if self.softcap is None:
+        if self.sinks is not None:
+            out = attention_with_sinks(q, k, v, mask, self.scale, self.sinks)
+        elif self.softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
             out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
@@ -366,6 +372,19 @@ def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tenso
     scores = cap * torch.tanh(scores / cap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def attention_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per query head, its sink, that weighs no value
+    (gpt-oss). q: [B, KVH, G*T, hd], the G heads of a KV head folded into the query axis; k, v:
+    [B, KVH, S, hd]; mask: [B, 1, G*T, S]; sinks: [H]. In fp32, as decode attention computes it."""
+    bsz, kv_heads, rows, _ = q.shape
+    group = sinks.shape[0] // kv_heads
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, KVH, G*T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, kv_heads, group, 1).repeat_interleave(rows // group, dim=2)  # [1, KVH, G*T, 1]
+    probs = torch.cat([scores, sink.expand(bsz, -1, -1, -1)], dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -1,0 +1,134 @@
+"""gpt-oss against transformers' own GptOssForCausalLM read from the same file: attention sinks,
+alternating sliding-window (8) and full layers, YaRN past its original context (32), routers and
+experts with biases and the clamped SwiGLU; compiled, one graph per role, no recompiles."""
+
+import pytest
+import torch
+
+from helpers.checkpoints.gpt_oss import SLIDING_WINDOW, load_reference, make_gpt_oss_checkpoint
+from helpers.checkpoints.tiny import random_ids
+from helpers.compare import relative_l2
+from helpers.graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles
+from qrt import runtime
+from qrt.errors import CheckpointError
+
+PROMPT_LENGTH = 12  # longer than the window, so decode slides from its first step
+assert PROMPT_LENGTH > SLIDING_WINDOW
+PARITY_SHAPE = (2, 40)  # past the window and YaRN's original context
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """(folder, transformers' float32 model read from it, qrt's compiled model)."""
+    folder = tmp_path_factory.mktemp("gpt-oss-fp32")
+    make_gpt_oss_checkpoint(folder)
+    return folder, load_reference(folder), runtime.compile_model(folder, progress=False, max_seq_len=128)
+
+
+def test_compiled_logits_match_transformers(fp32):
+    _, hf, model = fp32
+    ids = random_ids(0, PARITY_SHAPE)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    got = model(ids)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    # float32 throughout; only the order of sums differs
+    assert relative_l2(got, expected) < 1e-5
+
+
+def test_32_greedy_tokens_match_transformers(fp32):
+    _, hf, model = fp32
+    prompt = random_ids(1, (1, PROMPT_LENGTH))
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    got = model.generate(prompt[0].tolist(), max_new_tokens=32, stop_at_eos=False)
+    assert got == expected[0, PROMPT_LENGTH:].tolist()
+
+
+def test_decode_steps_match_transformers_with_a_cache(fp32):
+    """Each decode step (qrt::decode_attention with the sinks, over the window or the whole cache)
+    against transformers stepping its own cache."""
+    import transformers
+
+    folder, hf, model = fp32
+    ids = random_ids(2, (1, 30))
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        expected = hf(ids[:, :PROMPT_LENGTH], cache=cache, use_cache=True).logits[:, -1]
+        assert relative_l2(model.prefill(ids[:, :PROMPT_LENGTH])[:, -1], expected) < 1e-5
+        for pos in range(PROMPT_LENGTH, 30):
+            expected = hf(ids[:, pos:pos + 1], cache=cache, use_cache=True,
+                          position_ids=torch.tensor([[pos]])).logits[0, -1]
+            assert relative_l2(model.decode(ids[:, pos:pos + 1], pos)[0, -1], expected) < 1e-5, pos
+
+
+def test_one_graph_per_role_and_no_decode_recompiles(fp32):
+    _, _, model = fp32
+    model.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False)
+    model(random_ids(0, PARITY_SHAPE))
+    assert_one_graph_per_role(model)
+    decode_without_recompiles(model, list(range(10, 30)), 24)
+    decode_without_recompiles(model, [3, 1, 4, 1, 5], 4)
+    assert_one_graph_per_role(model)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_dynamo_explain_finds_no_graph_breaks(fp32, role):
+    # Last of the tests on this model: explain() resets Dynamo, which discards its compiled graphs.
+    assert_no_graph_breaks(fp32[2], role)
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_matches_transformers_in_bf16(tmp_path):
+    make_gpt_oss_checkpoint(tmp_path, dtype=torch.bfloat16)
+    hf = load_reference(tmp_path, torch.bfloat16)
+    model = runtime.compile_model(tmp_path, progress=False, max_seq_len=128)
+    assert model.model.dtype == torch.bfloat16
+    ids = random_ids(3, PARITY_SHAPE)
+    with torch.no_grad():
+        expected = hf(ids).logits.float()
+        exact = load_reference(tmp_path, torch.float32)(ids).logits  # the same bf16 weights, in fp32
+    got = model(ids)
+    # transformers rounds every step to bf16, softmaxes included; qrt's attention and routing
+    # weights stay fp32: both sit about as far from the fp32 run of the same weights.
+    assert relative_l2(got, exact) < 2 * relative_l2(expected, exact) + 1e-3
+    assert relative_l2(got, expected) < 3e-2
+    prompt = random_ids(4, (1, PROMPT_LENGTH))
+    with torch.no_grad():
+        tokens = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, PROMPT_LENGTH:]
+    got_tokens = model.generate(prompt[0].tolist(), max_new_tokens=32, stop_at_eos=False)
+    assert got_tokens == tokens.tolist()
+
+
+def test_a_misshapen_expert_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_gpt_oss_checkpoint(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    state[name] = state[name][:, :-1].contiguous()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}.*expected \[4, 64, 64\]"):
+        runtime.compile_model(tmp_path, compile=False, progress=False, max_seq_len=64)
+
+
+def test_decode_attention_sinks_match_transformers_eager_attention():
+    """qrt::decode_attention with sinks, over a window of each row's cache, against transformers'
+    gpt-oss attention on the same keys (4 query heads over 2 KV heads)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, hd, length = 4, 2, 32, 20
+    k_cache, v_cache = (torch.randn(3, kv_heads, length, hd, generator=gen) for _ in range(2))
+    q = torch.randn(2, heads, hd, generator=gen)
+    sinks = torch.randn(heads, generator=gen) * 2
+    slots, first, last = torch.tensor([2, 0]), torch.tensor([5, 0]), torch.tensor([12, 17])
+    got = torch.ops.qrt.decode_attention(q, k_cache, v_cache, slots, first, last, hd ** -0.5, 0.0, None, None, sinks)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, sinks=sinks, training=False)
+    for row in range(2):
+        keys = slice(int(first[row]), int(last[row]) + 1)
+        k, v = k_cache[slots[row], :, keys][None], v_cache[slots[row], :, keys][None]  # [1, KVH, L, hd]
+        expected, _ = eager_attention_forward(module, q[row][None, :, None], k, v, None, hd ** -0.5)
+        assert torch.allclose(got[row], expected[0, 0], rtol=1e-5, atol=1e-6), row
