@@ -1,16 +1,21 @@
 """gpt-oss against transformers' own GptOssForCausalLM read from the same file: attention sinks,
 alternating sliding-window (8) and full layers, YaRN past its original context (32), routers and
-experts with biases and the clamped SwiGLU; compiled, one graph per role, no recompiles."""
+experts with biases and the clamped SwiGLU; compiled, one graph per role, no recompiles. Its
+experts in MXFP4: dequantized bit for bit as transformers' `convert_moe_packed_tensors`, and the
+model against transformers' model dequantized from the same file."""
 
 import pytest
 import torch
 
-from helpers.checkpoints.gpt_oss import SLIDING_WINDOW, load_reference, make_gpt_oss_checkpoint
+from helpers.checkpoints.gpt_oss import (SLIDING_WINDOW, load_reference, make_gpt_oss_checkpoint,
+                                        make_gpt_oss_mxfp4_checkpoint)
 from helpers.checkpoints.tiny import random_ids
 from helpers.compare import relative_l2
 from helpers.graph_checks import assert_no_graph_breaks, assert_one_graph_per_role, decode_without_recompiles
 from qrt import runtime
 from qrt.errors import CheckpointError
+from qrt.formats.mxfp4 import mxfp4_weights
+from qrt.kernels.lut4_reference import Lut4Weights, unpack_nibbles
 
 PROMPT_LENGTH = 12  # longer than the window, so decode slides from its first step
 assert PROMPT_LENGTH > SLIDING_WINDOW
@@ -132,3 +137,57 @@ def test_decode_attention_sinks_match_transformers_eager_attention():
         k, v = k_cache[slots[row], :, keys][None], v_cache[slots[row], :, keys][None]  # [1, KVH, L, hd]
         expected, _ = eager_attention_forward(module, q[row][None, :, None], k, v, None, hd ** -0.5)
         assert torch.allclose(got[row], expected[0, 0], rtol=1e-5, atol=1e-6), row
+
+
+def test_mxfp4_dequantizes_bit_for_bit_as_transformers():
+    """Every code and a range of exponents, against transformers' own dequantizer of gpt-oss's
+    experts ([E, N, K / 32, 16] blocks -> [E, K, N] values)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=gen)  # [E, N, K / 32, 16]
+    scales = torch.randint(100, 150, (3, 40, 4), dtype=torch.uint8, generator=gen)  # [E, N, K / 32]
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, N]
+    for expert in range(3):
+        got = mxfp4_weights(blocks[expert], scales[expert]).dequantize()  # [N, K]
+        assert torch.equal(got, expected[expert].t()), expert
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """(transformers' float32 model dequantized from the MXFP4 file, qrt's compiled model of it)."""
+    folder = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    make_gpt_oss_mxfp4_checkpoint(folder, dtype=torch.float32)
+    return load_reference(folder), runtime.compile_model(folder, progress=False, max_seq_len=128)
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4):
+    """Each expert's stored codes and scales, as qrt holds them after loading, are exactly the
+    weights transformers dequantized from the file (gate and up rows de-interleaved)."""
+    hf, model = mxfp4
+    assert model.scheme.name == "mxfp4"
+    for index, layer in enumerate(model.model.model.layers):
+        experts, reference = layer.mlp.experts, hf.model.layers[index].mlp.experts
+        expected = {"gate_up_proj": reference.gate_up_proj.transpose(1, 2), "down_proj": reference.down_proj.transpose(1, 2)}
+        for projection in ("gate_up_proj", "down_proj"):
+            stacked = getattr(experts, projection)
+            want = expected[projection]  # [E, N, K]
+            if projection == "gate_up_proj":
+                want = torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)
+            for e in range(hf.config.num_local_experts):
+                w = Lut4Weights(unpack_nibbles(stacked.weight[e]), stacked.weight_table[e], 32,
+                                stacked.weight_scales[e], "e8m0")
+                assert torch.equal(w.dequantize(), want[e]), (index, projection, e)
+
+
+def test_mxfp4_model_matches_transformers_dequantized(mxfp4):
+    hf, model = mxfp4
+    ids = random_ids(5, PARITY_SHAPE)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert relative_l2(model(ids), expected) < 1e-5  # the same fp32 weights; only the order of sums differs
+    prompt = random_ids(6, (1, PROMPT_LENGTH))
+    with torch.no_grad():
+        tokens = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, PROMPT_LENGTH:]
+    assert decode_without_recompiles(model, prompt[0].tolist(), 32) == tokens.tolist()
+    assert_one_graph_per_role(model)

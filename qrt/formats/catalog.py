@@ -16,6 +16,7 @@ from . import gptq  # noqa: F401
 from . import awq  # noqa: F401
 from . import qqq  # noqa: F401
 from . import gguf  # noqa: F401  llama.cpp GGUF files loaded as stored
+from . import mxfp4  # noqa: F401  MXFP4, as gpt-oss ships its experts
 
 # Online formats, applied to an unquantized checkpoint while it loads.
 from . import fp8_online  # noqa: F401

@@ -59,6 +59,41 @@ def load_reference(folder: Path, dtype=torch.float32):
     dequantized by transformers), with its eager experts loop."""
     import transformers
 
-    model = transformers.GptOssForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    quantized = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if quantized else {}
+    model = transformers.GptOssForCausalLM.from_pretrained(str(folder), dtype=dtype, **extra)
     model.set_experts_implementation("eager")
     return model.eval()
+
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the codes 0-7; bit 3 is the sign
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (blocks uint8 [..., N, K / 32, 16], scales uint8 [..., N, K / 32]), from
+    the OCP Microscaling definition: each block's scale is 2 ** (floor(log2(amax)) - 2), so that its
+    largest value lands in E2M1's top binade (up to 6), and each value rounds to the nearest code."""
+    blocks = weight.float().unflatten(-1, (-1, 32))  # [..., N, K / 32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126)
+    exponent = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)  # [..., N, K / 32, 1]
+    scaled = (blocks / torch.exp2(exponent)).clamp(-6.0, 6.0)
+    magnitude = (scaled.abs()[..., None] - E2M1_GRID).abs().argmin(-1)  # [..., 32] nearest of the 8 magnitudes
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # the even channel in the low nibble
+    return packed, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def make_gpt_oss_mxfp4_checkpoint(folder: Path, *, dtype=torch.bfloat16, seed: int = 0, **overrides) -> None:
+    """Write the tiny gpt-oss with its experts in MXFP4 as gpt-oss ships them: `*_blocks` and
+    `*_scales` per expert projection ([E, N, K / 32, 16] and [E, N, K / 32], nn.Linear orientation),
+    the rest in `dtype`, and gpt-oss's quantization_config."""
+    model = random_gpt_oss(seed, **overrides).to(dtype)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    state = load_file(folder / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # Dense experts are stored [E, K, N]; MXFP4 ones [E, N, ...].
+        state[f"{name}_blocks"], state[f"{name}_scales"] = quantize_mxfp4(state.pop(name).transpose(1, 2))
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
