@@ -68,7 +68,7 @@ def check_rows(rows, job: dict, expected: int, engine: str) -> None:
 def load_qrt(job: dict):
     import torch
 
-    from bench.roofline import expert_weight_bytes, weight_bytes_per_token
+    from bench.roofline import expert_weight_bytes, resident_weight_bytes, weight_bytes_per_token
     from qrt.checkpoint.config import LoadConfig
     from qrt.runtime import compile_model
 
@@ -84,6 +84,7 @@ def load_qrt(job: dict):
     model.engine.prefix_caching = False
     causal_lm = model.model
     return model, started, {"load_s": load_s, "expert_bytes": expert_weight_bytes(causal_lm),
+                            "resident_weight_bytes": resident_weight_bytes(causal_lm),
                             "weight_bytes_per_token": weight_bytes_per_token(causal_lm,
                                                                              getattr(causal_lm.model.embed_tokens, "weight", None))}
 

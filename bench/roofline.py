@@ -72,6 +72,14 @@ def weight_bytes_per_token(model: torch.nn.Module, embedding: torch.Tensor | Non
     return others + row + (_nbytes(embedding) if shared else 0)
 
 
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer of the model but its caches (the KV cache's
+    `k_cache`, `v_cache` and their kin, which grow with the context, not the weights), as held."""
+    buffers = [t for name, t in model.named_buffers() if not name.endswith("cache")]
+    tensors = {id(t): t for t in (*model.parameters(), *buffers)}.values()
+    return sum(_nbytes(t) for t in tensors)
+
+
 def kv_bytes_per_step(model: torch.nn.Module, attended: float) -> float:
     """Bytes of K and V one decode step of one row reads when its token attends over `attended`
     cache entries: every layer's K and V rows of that many entries (a sliding-window layer's at

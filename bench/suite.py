@@ -9,6 +9,7 @@ batch 1 and 8, peak memory, and each decode figure against this machine's memory
     python -m bench.suite --json bench/results/suite.json --chart bench/results/suite.png  # make bench-suite
     python -m bench.suite --model PATH --quant bf16,int4 --engines qrt,transformers --runs 5
     python -m bench.suite --model PATH --smoke   # tiny sizes: proves the suite runs, measures nothing
+    python -m bench.suite --model 1b --quant int4 --stored nf4=DIR,nvfp4=DIR --engines qrt  # producers' copies
 
 Run it on a quiet machine: with two cores, another CPU-bound job slows decode by several times (the
 load average is printed, with a warning when it is high). Each measurement is a fresh process
@@ -28,6 +29,9 @@ load average is printed, with a warning when it is high). Each measurement is a 
   (`Llama.eval` per token and the argmax of its logits, not llama-cpp-python's sampling loop); and
   qrt on each of those files as stored (`qrt GGUF ...`, batch 1), with qrt / llama.cpp per file.
   Other checkpoint folders have no GGUF here, and llama.cpp is skipped with a note.
+- qrt on each --stored folder (the same model written in another format by its producer, e.g. by
+  bench/tools/producer_copies.py), as stored, batch 1 and 8, with its resident weights against the
+  tensor bytes of its files.
 Every engine gets the same prompts (fixed pseudo-random ids, one per batch row, equal lengths) and a
 KV cache of prompt + N + 1 positions, decodes greedily and never stops at eos.
 
@@ -85,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--gguf", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
                         help="only these GGUF files of the model (e.g. Q4_K_M,Q6_K; default: all it has)")
+    parser.add_argument("--stored", type=stored_folders, default={},
+                        help="NAME=FOLDER,...: the same model written in other formats by their producers, each run "
+                             "by qrt as stored beside the --quant rows")
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="GGUF files: run llama.cpp and qrt this many times each, alternating, each run a "
                              "fresh process; the ratio is the median of each round's")
@@ -104,6 +111,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke:
         vars(args).update(SMOKE)
     return args
+
+
+def stored_folders(text: str) -> dict[str, Path]:
+    """--stored NAME=FOLDER,... -> {name: folder}, each a checkpoint folder."""
+    folders = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, folder = item.partition("=")
+        if not sep or not (Path(folder) / "config.json").is_file():
+            raise argparse.ArgumentTypeError(f"expected NAME=FOLDER with a config.json in FOLDER, got {item!r}")
+        folders[name] = Path(folder)
+    return folders
+
+
+def file_tensor_bytes(folder: Path) -> int:
+    """Bytes of the tensors a folder's safetensors files hold (their headers' offsets)."""
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(end - start for name, entry in header.items() if name != "__metadata__"
+                     for start, end in [entry["data_offsets"]])
+    return total
 
 
 def resolve_model(name: str):
@@ -170,6 +199,20 @@ class Runner:
             if warm else None
         batched = self.job("qrt", label, self.args.batch, qrt_cache=cache, quant=quant, build=build)
         return make_row("qrt", name, label, {1: batch1, self.args.batch: batched}, start)
+
+    def qrt_stored(self, name: str, folder: Path) -> dict:
+        """qrt on a folder written by a producer in its own format, as stored."""
+        label, cache = f"qrt {name} (as stored)", self.work / f"qrt-cache-stored-{name}"
+        jobs = {batch: self.job("qrt", label, batch, qrt_cache=cache, quant=None, path=str(folder))
+                for batch in (1, self.args.batch)}
+        row = make_row("qrt", f"stored {name}", label, jobs)
+        row["file_tensor_bytes"] = file_tensor_bytes(folder)
+        resident = jobs[1].get("resident_weight_bytes")
+        if resident:
+            row["notes"].append(f"resident weights {resident / 2**20:.0f} MiB = "
+                                f"{resident / row['file_tensor_bytes']:.3f}× the files' "
+                                f"{row['file_tensor_bytes'] / 2**20:.0f} MiB of tensors")
+        return row
 
     def transformers(self, compiled: bool) -> dict:
         kind = "transformers-compile" if compiled else "transformers"
@@ -372,6 +415,7 @@ def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
     rows, skipped = [], []
     if "qrt" in args.engines:
         rows += [runner.qrt(name) for name in args.quant]
+        rows += [runner.qrt_stored(name, folder) for name, folder in args.stored.items()]
     if "transformers" in args.engines:
         rows.append(runner.transformers(compiled=False))
     if "transformers-compile" in args.engines:

@@ -157,6 +157,21 @@ def test_cpu_kernel_stays_within_bf16_of_the_exact_weight(name):
 
 
 @needs_native
+def test_cpu_kernel_compiles_whole_and_equals_its_eager_call():
+    w = random_weights("nvfp4-e4m3-g16-divided")
+    p = lut4_cpu.Lut4PairsLayout().pack(w, torch.bfloat16).tensors
+    x = random_rows(3, 256, torch.bfloat16)
+
+    def step(x):
+        return torch.ops.qrt.lut4_pairs_linear(x, p["weight"], p["weight_scales"], p["weight_table"],
+                                               p["weight_global"], None, 16, SCALE_FORMATS["e4m3"]) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
+
+
+@needs_native
 def test_cpu_kernel_takes_only_what_it_reads_exactly():
     w = random_weights("mxfp4-e8m0-g32")
     assert choose("qrt.lut4_linear", "cpu", weights=w, dtype=torch.bfloat16).op == "qrt.lut4_pairs_linear"

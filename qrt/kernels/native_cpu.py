@@ -174,6 +174,10 @@ def _register_fakes() -> None:
           min_rows_dequantized):
         return x.new_empty(x.shape[0], codes.shape[0] * 64)
 
+    @torch.library.register_fake("qrt_cpu::lut4_linear")
+    def _(x, codes, table, scales, scale_format, global_multiplier, group_size, bias, min_rows_dequantized):
+        return x.new_empty(x.shape[0], codes.shape[0] * 64)
+
     @torch.library.register_fake("qrt_cpu::int8pack_mm")
     def _(x, weight, scales, min_rows_dequantized):
         return x.new_empty(x.shape[0], weight.shape[0])
@@ -191,7 +195,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[2])
 
     @torch.library.register_fake("qrt_cpu::decode_attention")
-    def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale):
+    def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale, sinks=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("qrt_cpu::shm_all_reduce")
