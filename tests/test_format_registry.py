@@ -45,7 +45,7 @@ def test_unknown_online_format_error_lists_the_registry():
 
 def test_unknown_stored_format_error_lists_the_registry():
     with pytest.raises(UnsupportedError) as err:
-        resolve_scheme({"quantization_config": {"quant_method": "bitsandbytes"}}, None, "config.json")
+        resolve_scheme({"quantization_config": {"quant_method": "hqq"}}, None, "config.json")
     assert f"supported: {sorted(stored_formats())}" in str(err.value)
 
 

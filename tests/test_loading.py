@@ -153,9 +153,9 @@ def test_prequantized_checkpoints_and_unknown_quant_are_refused(llama_dir, tmp_p
         load_eager(llama_dir, "int3")
     shutil.copytree(llama_dir, tmp_path / "ckpt")
     config = json.loads((tmp_path / "ckpt/config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (tmp_path / "ckpt/config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedError, match="quant_method='bitsandbytes'.*'gptq'"):
+    with pytest.raises(UnsupportedError, match="quant_method='hqq'.*'gptq'"):
         load_eager(tmp_path / "ckpt")
     # A config that claims GPTQ over plain weights: the first dense weight is named as unexpected.
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}

@@ -96,6 +96,8 @@ def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool,
         if names.skipped(name):
             continue
         param_name, shard_id = names.parameter_of(name)
+        if param_name not in params:
+            param_name = _format_leaf(model, param_name)
         param = params.get(param_name)
         if param is None or getattr(param, "weight_loader", None) is None:
             raise CheckpointError(path, name, f"unexpected tensor: {type(model).__name__} has no "
@@ -128,6 +130,21 @@ def stream_tensors(model: nn.Module, tensors: list, where: Path, progress: bool,
     expected = {name: param for name, param in params.items()
                 if name not in later and (only is None or name in only)}
     _check_complete(model, expected, loaded, where)
+
+
+def _format_leaf(model: nn.Module, param_name: str) -> str:
+    """The parameter a quantized layer loads a tensor into whose name goes on past the layer's with
+    more dots than a parameter name may hold (LinearMethod.checkpoint_leaves); else `param_name`."""
+    parts = param_name.split(".")
+    for cut in range(len(parts) - 2, 0, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:cut]))
+        except AttributeError:
+            continue
+        leaves = getattr(getattr(module, "quant_method", None), "checkpoint_leaves", {})
+        leaf = leaves.get(".".join(parts[cut:]))
+        return param_name if leaf is None else ".".join(parts[:cut] + [leaf])
+    return param_name
 
 
 def rank_cuts(model: nn.Module, param_name: str, shard_id, shape, tensor_name: str) -> tuple:

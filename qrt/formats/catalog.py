@@ -17,6 +17,7 @@ from . import awq  # noqa: F401
 from . import qqq  # noqa: F401
 from . import gguf  # noqa: F401  llama.cpp GGUF files loaded as stored
 from . import mxfp4  # noqa: F401  MXFP4, as gpt-oss ships its experts
+from . import bitsandbytes  # noqa: F401  4-bit NF4/FP4 and 8-bit, as transformers saves them
 
 # Online formats, applied to an unquantized checkpoint while it loads.
 from . import fp8_online  # noqa: F401

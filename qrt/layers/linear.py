@@ -164,6 +164,9 @@ class LinearMethod(ABC):
     # it loads, how that tensor follows the layer's output and input axes. None: not declared, and a
     # sharded load refuses the format.
     shard_rule: dict | None = None
+    # Checkpoint tensors named with more dots than a parameter name may hold (bitsandbytes'
+    # `q_proj.weight.absmax`): the name after the layer's -> the parameter it loads into.
+    checkpoint_leaves: dict = {}
 
     def __init__(self, cfg=None, module_names=()):
         self.cfg = cfg  # the format's settings for this layer (a frozen dataclass), if it has any

@@ -1,0 +1,82 @@
+"""bitsandbytes checkpoints as transformers saves them with `BitsAndBytesConfig`
+(`quant_method: "bitsandbytes"`): 4-bit NF4/FP4 (bitsandbytes_4bit.py) and 8-bit LLM.int8()
+weights (bitsandbytes_8bit.py). This module reads the quantization config and registers the format.
+
+Config keys read (docs/formats.md §13): `load_in_4bit` / `load_in_8bit` (transformers also writes
+`_load_in_4bit` / `_load_in_8bit`), `bnb_4bit_quant_type` ("nf4" or "fp4"),
+`bnb_4bit_use_double_quant`, `bnb_4bit_quant_storage` (only "uint8": the codes as bytes),
+`llm_int8_has_fp16_weight` (only false: the weights are stored as int8) and `llm_int8_skip_modules`.
+The block size is not in the config: each weight's quant_state records its own.
+"""
+
+import re
+from dataclasses import dataclass
+
+from qrt.errors import ConfigError, UnsupportedError
+from qrt.formats.bitsandbytes_4bit import Bnb4bitLinearMethod
+from qrt.formats.bitsandbytes_8bit import Bnb8bitLinearMethod
+from qrt.formats.registry import stored_format
+from qrt.formats.scheme import QuantScheme, matches
+
+QUANT_TYPES = ("nf4", "fp4")
+
+
+@dataclass(frozen=True)
+class BnbConfig:
+    bits: int  # 4 or 8
+    quant_type: str | None  # 4-bit: "nf4" or "fp4"
+    double_quant: bool  # 4-bit: absmax stored as 8-bit codes with a nested absmax
+    source: str = "config.json"
+
+    def describe(self) -> str:
+        if self.bits == 8:
+            return "bitsandbytes int8 (LLM.int8() rows, weight-only)"
+        return f"bitsandbytes {self.quant_type.upper()}" + (" double quant" if self.double_quant else "")
+
+
+def _flag(config: dict, name: str) -> bool:
+    return bool(config.get(name, config.get(f"_{name}", False)))
+
+
+def bnb_config(config: dict, source) -> BnbConfig:
+    four, eight = _flag(config, "load_in_4bit"), _flag(config, "load_in_8bit")
+    if four == eight:
+        raise ConfigError(f"{source}: a bitsandbytes quantization_config sets exactly one of load_in_4bit and "
+                          f"load_in_8bit; found load_in_4bit={four}, load_in_8bit={eight}")
+    if eight:
+        if config.get("llm_int8_has_fp16_weight"):
+            raise UnsupportedError(f"{source}: bitsandbytes llm_int8_has_fp16_weight=true keeps float weights for "
+                                   f"training; qrt loads the int8 weights of an inference checkpoint")
+        return BnbConfig(8, None, False, str(source))
+    quant_type = config.get("bnb_4bit_quant_type", "fp4")
+    if quant_type not in QUANT_TYPES:
+        raise UnsupportedError(f"{source}: bnb_4bit_quant_type={quant_type!r} is not supported; supported: "
+                               f"{list(QUANT_TYPES)}")
+    storage = config.get("bnb_4bit_quant_storage", "uint8")
+    if storage != "uint8":
+        raise UnsupportedError(f"{source}: bnb_4bit_quant_storage={storage!r} is not supported; qrt reads the "
+                               f"4-bit codes stored as uint8 (transformers' default)")
+    return BnbConfig(4, quant_type, bool(config.get("bnb_4bit_use_double_quant", False)), str(source))
+
+
+def skip_patterns(config: dict) -> list[str]:
+    """`llm_int8_skip_modules` as qrt's ignore patterns. transformers skips a module when an entry
+    matches its name from the start up to a module boundary (as a regex), or is a suffix of it."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    patterns = []
+    for key in config.get("llm_int8_skip_modules") or ():
+        patterns += [f"re:(?:{key}){boundary}", f"re:.*{re.escape(key)}$"]
+    return patterns
+
+
+@stored_format("bitsandbytes", summary="bitsandbytes 4-bit NF4/FP4 (blocks of 64, double quant) and 8-bit "
+               "(int8 rows), as transformers' BitsAndBytesConfig saves them")
+def bnb_scheme(config: dict, source) -> QuantScheme:
+    cfg = bnb_config(config, source)
+    method = Bnb8bitLinearMethod if cfg.bits == 8 else Bnb4bitLinearMethod
+    skip = skip_patterns(config)
+    # transformers leaves the output layer unquantized unless the config lists the modules to skip:
+    # that list replaces its default, so lm_head is quantized when the list leaves it out.
+    quantized_lm_head = config.get("llm_int8_skip_modules") is not None and not any(matches("lm_head", p) for p in skip)
+    return QuantScheme("bitsandbytes", lambda names: method(cfg, names), skip, cfg.describe(),
+                       quantized_lm_head=quantized_lm_head)
