@@ -29,7 +29,8 @@ from qrt.kernels.lut4_reference import Lut4Weights
 from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.formats.int_weights import remove_parameters
 from qrt.layers.linear import LinearMethod, check_shape, install_packed, make_parameter
-from qrt.layers.tensor_parallel import WHOLE, TensorSplit, largest_tp, rank_columns
+from qrt.layers.tensor_parallel import (WHOLE, TensorSplit, largest_tp, rank_columns, stored_entries,
+                                        zero_padded)
 
 # NF4 (QLoRA): quantiles of the standard normal distribution scaled to [-1, 1], code 7 exactly 0.
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -119,8 +120,9 @@ class Bnb4bitLinearMethod(LinearMethod):
         starts = torch.arange(rows * full_k // group) * group  # [N_shard · K_full / g]: each group's first element
         absmax = decoded_absmax(state, header)[starts // header["blocksize"]].view(rows, -1)  # [N_shard, K_full / g]
         if layer.n_slices is not None:
-            part = layer.n_slices[slot]
-            absmax = absmax.narrow(0, part.start, part.length)
+            part = layer.n_slices[slot]  # a padded vocabulary's rows past its end are zeros
+            absmax = zero_padded(absmax.narrow(0, part.start, stored_entries(part.start, part.length, rows)),
+                                 part.length, 0)
         return rank_columns(layer, absmax, group), group
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
