@@ -15,6 +15,7 @@ from helpers.graph_checks import assert_no_graph_breaks, assert_one_graph_per_ro
 from qrt import runtime
 from qrt.errors import CheckpointError
 from qrt.formats.mxfp4 import mxfp4_weights
+from qrt.kernels import native_cpu
 from qrt.kernels.lut4_reference import Lut4Weights, unpack_nibbles
 
 PROMPT_LENGTH = 12  # longer than the window, so decode slides from its first step
@@ -75,6 +76,10 @@ def test_one_graph_per_role_and_no_decode_recompiles(fp32):
     decode_without_recompiles(model, list(range(10, 30)), 24)
     decode_without_recompiles(model, [3, 1, 4, 1, 5], 4)
     assert_one_graph_per_role(model)
+    # Every layer's decode attention, sinks and all, runs qrt's AVX-512 kernel where it is built.
+    (graph,) = model.backends["decode"].log.graphs
+    expected = "qrt_cpu.decode_attention" if native_cpu.available() else "qrt.decode_attention"
+    assert [c.kernel for c in graph.attention_choices] == [expected] * 2
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -137,6 +142,26 @@ def test_decode_attention_sinks_match_transformers_eager_attention():
         k, v = k_cache[slots[row], :, keys][None], v_cache[slots[row], :, keys][None]  # [1, KVH, L, hd]
         expected, _ = eager_attention_forward(module, q[row][None, :, None], k, v, None, hd ** -0.5)
         assert torch.allclose(got[row], expected[0, 0], rtol=1e-5, atol=1e-6), row
+
+
+@pytest.mark.skipif(native_cpu.why_not_wanted() is not None, reason=f"{native_cpu.why_not_wanted()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_sinks_match_the_reference(dtype):
+    """qrt's AVX-512 kernel with sinks (merged with each row's chunks of 128 entries) against the
+    reference op, on extents of one entry, within a chunk and over three chunks."""
+    assert native_cpu.available(), native_cpu.why_unavailable()  # builds and loads the qrt_cpu ops
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, hd, length = 8, 2, 64, 300
+    k_cache, v_cache = (torch.randn(3, kv_heads, length, hd, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(4, heads, hd, generator=gen).to(dtype)
+    sinks = (torch.randn(heads, generator=gen) * 3).to(dtype)
+    args = (q, k_cache, v_cache, torch.tensor([2, 0, 1, 2]), torch.tensor([5, 0, 250, 0]),
+            torch.tensor([12, 299, 299, 0]), hd ** -0.5, 0.0, None, None, sinks)
+    expected = torch.ops.qrt.decode_attention(*args)
+    got = torch.ops.qrt_cpu.decode_attention(*args)
+    # fp32: a few ulp (summation order, the polynomial exp); bf16: an output may round to its neighbour
+    assert relative_l2(got, expected) < (1e-6 if dtype == torch.float32 else 4e-3)
+    assert relative_l2(got, torch.ops.qrt.decode_attention(*args[:-1])) > 0.1  # the sinks matter here
 
 
 def test_mxfp4_dequantizes_bit_for_bit_as_transformers():

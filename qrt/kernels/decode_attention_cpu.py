@@ -7,6 +7,9 @@ fp32, or e4m3 bytes widened to fp32), and the thread that finishes a (row, KV he
 merges its chunks in a fixed order. A row's result depends on its own extent only, never on its
 batch, on the thread count or on which thread merges.
 
+Attention sinks (gpt-oss: a logit per query head in the softmax's denominator) join the merge of
+each (row, KV head)'s chunks.
+
 Numerics: fp32 throughout, as the reference; they differ in summation order, the chunked merge
 and a polynomial exp (within 2 ulp of expf), then agree on the rounding to the model dtype.
 """
@@ -19,10 +22,9 @@ _SUPPORTED_HEAD_DIM_MAX = 512
 _SUPPORTED_GROUP_MAX = 16
 
 
-def _accepts(head_dim: int = 0, group: int = 1, sinks: bool = False, **facts) -> bool:
-    # Attention sinks (gpt-oss) are not in the native kernel: those caches keep the reference.
+def _accepts(head_dim: int = 0, group: int = 1, **facts) -> bool:
     return (head_dim % 16 == 0 and 0 < head_dim <= _SUPPORTED_HEAD_DIM_MAX and group <= _SUPPORTED_GROUP_MAX
-            and not sinks and native_cpu.available())
+            and native_cpu.available())
 
 
 declare(Kernel(

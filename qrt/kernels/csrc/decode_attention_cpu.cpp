@@ -2,7 +2,7 @@
 // qrt/kernels/native_cpu.py into the `qrt_cpu` namespace:
 //
 //   decode_attention(q [B, H, hd], k_cache [N, KVH, S, hd], v_cache [N, KVH, S, hd], slots [B],
-//                    first [B], last [B], scale, softcap, k_scale?, v_scale?) -> [B, H, hd]
+//                    first [B], last [B], scale, softcap, k_scale?, v_scale?, sinks? [H]) -> [B, H, hd]
 //
 // Batch row b attends, with its query heads grouped by KV head (G = H / KVH query heads share one
 // read of each K and V row), over entries first[b] .. last[b] (inclusive) of cache row slots[b],
@@ -380,14 +380,16 @@ bool attend_chunk_in_pairs(const QT* q_rows, const CT* k_rows, const CT* v_rows,
 }
 
 // The chunks' partials of one (row, KV head) [chunks, G, 2 + hd], merged in chunk order into its
-// G output heads of the model dtype.
+// G output heads of the model dtype. sinks: the G heads' sink logits (gpt-oss), or null: each joins
+// the softmax's max and denominator, and weighs no V row.
 template <class Model>
-void merge_chunks(const float* unit, int64_t chunks, int64_t stride, const Shape& s, typename Model::type* dst) {
+void merge_chunks(const float* unit, int64_t chunks, int64_t stride, const Shape& s, const float* sinks,
+                  typename Model::type* dst) {
   alignas(64) float merged[kMaxHeadDim];
   for (int64_t g = 0; g < s.group; ++g) {
-    float top = -std::numeric_limits<float>::infinity();
+    float top = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < chunks; ++c) top = std::max(top, unit[c * stride + g * (2 + s.hd)]);
-    float total = 0.0f;
+    float total = sinks ? std::exp(sinks[g] - top) : 0.0f;
     std::fill(merged, merged + s.hd, 0.0f);
     for (int64_t c = 0; c < chunks; ++c) {
       const float* p = unit + c * stride + g * (2 + s.hd);
@@ -406,7 +408,8 @@ void merge_chunks(const float* unit, int64_t chunks, int64_t stride, const Shape
 template <class Model, class Cache>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const int64_t* slots, const int64_t* first, const int64_t* last, const Shape& s,
-                            float scale, float softcap, float k_scale, float v_scale, at::Tensor& out) {
+                            float scale, float softcap, float k_scale, float v_scale, const float* sinks,
+                            at::Tensor& out) {
   using QT = typename Model::type;
   using CT = typename Cache::type;
   const QT* q_data = q.data_ptr<QT>();
@@ -444,7 +447,7 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       if (remaining[r * s.kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) == 1)
         merge_chunks<Model>(part + (unit_start[r] + h * chunks) * stride, chunks, stride, s,
-                            out_data + (r * s.heads + h * s.group) * s.hd);
+                            sinks ? sinks + h * s.group : nullptr, out_data + (r * s.heads + h * s.group) * s.hd);
     }
   });
 }
@@ -456,22 +459,23 @@ float scale_value(const c10::optional<at::Tensor>& scale) {
 template <class Model>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots,
                     const int64_t* first, const int64_t* last, const Shape& s, double scale, double softcap,
-                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, at::Tensor& out) {
+                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                    const float* sinks, at::Tensor& out) {
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     decode_attention_typed<Model, Fp8Cache<Model>>(q, k_cache, v_cache, slots, first, last, s, scale, softcap,
-                                                   scale_value(k_scale), scale_value(v_scale), out);
+                                                   scale_value(k_scale), scale_value(v_scale), sinks, out);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "decode_attention: a cache of ", k_cache.scalar_type(),
                 " for queries of ", q.scalar_type());
     decode_attention_typed<Model, PlainCache<Model>>(q, k_cache, v_cache, slots, first, last, s, scale, softcap,
-                                                     1.0f, 1.0f, out);
+                                                     1.0f, 1.0f, sinks, out);
   }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& first, const at::Tensor& last, double scale,
                             double softcap, const c10::optional<at::Tensor>& k_scale,
-                            const c10::optional<at::Tensor>& v_scale) {
+                            const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: q [B, H, hd] and caches [N, KVH, S, hd] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
@@ -491,11 +495,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(sl[r] >= 0 && sl[r] < k_cache.size(0) && lo[r] >= 0 && lo[r] <= hi[r] && hi[r] < s.length,
                 "decode_attention: row ", r, " attends entries ", lo[r], "..", hi[r], " of cache row ", sl[r],
                 "; the cache holds ", k_cache.size(0), " rows of ", s.length, " entries");
+  TORCH_CHECK(!sinks.has_value() || sinks->numel() == s.heads, "decode_attention: ", s.heads,
+              " query heads need one sink each");
+  at::Tensor sink_logits = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();  // [H] fp32
+  const float* sk = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty_like(qc);
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_cache<F32>(qc, k_cache, v_cache, sl, lo, hi, s, scale, softcap, k_scale, v_scale, out); break;
-    case at::kBFloat16: dispatch_cache<BF16>(qc, k_cache, v_cache, sl, lo, hi, s, scale, softcap, k_scale, v_scale, out); break;
-    case at::kHalf: dispatch_cache<F16>(qc, k_cache, v_cache, sl, lo, hi, s, scale, softcap, k_scale, v_scale, out); break;
+    case at::kFloat: dispatch_cache<F32>(qc, k_cache, v_cache, sl, lo, hi, s, scale, softcap, k_scale, v_scale, sk, out); break;
+    case at::kBFloat16: dispatch_cache<BF16>(qc, k_cache, v_cache, sl, lo, hi, s, scale, softcap, k_scale, v_scale, sk, out); break;
+    case at::kHalf: dispatch_cache<F16>(qc, k_cache, v_cache, sl, lo, hi, s, scale, softcap, k_scale, v_scale, sk, out); break;
     default: TORCH_CHECK(false, "decode_attention: queries of ", q.scalar_type(), " are not supported");
   }
   return out;
@@ -505,7 +513,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 TORCH_LIBRARY_FRAGMENT(qrt_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor first, Tensor last, "
-        "float scale, float softcap, Tensor? k_scale, Tensor? v_scale) -> Tensor");
+        "float scale, float softcap, Tensor? k_scale, Tensor? v_scale, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qrt_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
