@@ -2,7 +2,7 @@
 (`quant_method: "bitsandbytes"`): 4-bit NF4/FP4 (bitsandbytes_4bit.py) and 8-bit LLM.int8()
 weights (bitsandbytes_8bit.py). This module reads the quantization config and registers the format.
 
-Config keys read (docs/formats.md §13): `load_in_4bit` / `load_in_8bit` (transformers also writes
+Config keys read (docs/formats.md §14): `load_in_4bit` / `load_in_8bit` (transformers also writes
 `_load_in_4bit` / `_load_in_8bit`), `bnb_4bit_quant_type` ("nf4" or "fp4"),
 `bnb_4bit_use_double_quant`, `bnb_4bit_quant_storage` (only "uint8": the codes as bytes),
 `llm_int8_has_fp16_weight` (only false: the weights are stored as int8) and `llm_int8_skip_modules`.

@@ -1,5 +1,5 @@
 """bitsandbytes 4-bit weights (NF4 or FP4 codes, a block scale per `blocksize` weights), as
-transformers saves a `Linear4bit` (docs/formats.md §13).
+transformers saves a `Linear4bit` (docs/formats.md §14).
 
 Tensors per linear, P the module's prefix:
 - `P.weight` uint8 [N·K/2, 1]: the weight [N, K] flattened row-major, two codes a byte, the even

@@ -1,5 +1,5 @@
 """bitsandbytes 8-bit weights (LLM.int8()), as transformers saves a `Linear8bitLt`
-(docs/formats.md §13).
+(docs/formats.md §14).
 
 Tensors per linear, P the module's prefix:
 - `P.weight` int8 [N, K]: each row rounded to round(W · 127 / absmax of the row);
