@@ -164,6 +164,26 @@ def test_native_decode_attention_sinks_match_the_reference(dtype):
     assert relative_l2(got, torch.ops.qrt.decode_attention(*args[:-1])) > 0.1  # the sinks matter here
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_attention_sinks_match_the_reference(dtype):
+    """Triton's kernel with sinks (each head's online softmax starts from its sink), on the GPU where
+    there is one and under the interpreter otherwise."""
+    from helpers.kernel_checks import DEVICE, on_device
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, hd, length = 4, 2, 32, 150
+    k_cache, v_cache = (torch.randn(2, kv_heads, length, hd, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(3, heads, hd, generator=gen).to(dtype)
+    sinks = (torch.randn(heads, generator=gen) * 3).to(dtype)
+    args = (q, k_cache, v_cache, torch.tensor([1, 0, 1]), torch.tensor([0, 3, 140]), torch.tensor([0, 100, 149]),
+            hd ** -0.5, 0.0, None, None, sinks)
+    expected = torch.ops.qrt.decode_attention(*args)
+    got = on_device(torch.ops.qrt.decode_attention_triton)(*args)
+    # fp32: a few ulp; bf16: the interpreter truncates where a GPU rounds, up to a step of the output
+    assert relative_l2(got, expected) < (1e-6 if dtype == torch.float32 else 8e-3), DEVICE
+    assert relative_l2(got, torch.ops.qrt.decode_attention(*args[:-1])) > 0.1
+
+
 def test_mxfp4_dequantizes_bit_for_bit_as_transformers():
     """Every code and a range of exponents, against transformers' own dequantizer of gpt-oss's
     experts ([E, N, K / 32, 16] blocks -> [E, K, N] values)."""

@@ -6,6 +6,9 @@ online softmax. Nothing is read back to the host, so a decode step holds no sync
 can be captured in a CUDA graph; the reference op reads every row's extent to the host and loops
 in Python.
 
+With attention sinks (gpt-oss), each head's online softmax starts from its sink logit: a weight of
+one at that maximum, and no V row.
+
 Numerics: fp32 throughout, as the reference (an e4m3 cache entry is widened, times its scale,
 rounded to the model dtype, as the reference reads it); they differ in summation order and the
 online softmax's rescaling, then agree on the rounding to the model dtype. A row's result
@@ -25,11 +28,11 @@ BLOCK_S = 64  # cache entries per step of the walk
 
 @triton.jit
 def decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, first_ptr, last_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, first_ptr, last_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs, stride_ob, stride_oh,
     scale, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr,
+    FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -47,8 +50,14 @@ def decode_attention_kernel(
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
 
-    running_max = tl.full((), float("-inf"), tl.float32)
-    running_sum = tl.zeros((), tl.float32)
+    if SINKS:
+        # The head's sink logit starts the online softmax: it counts in the max and the sum, and
+        # weighs no V row.
+        running_max = tl.load(sinks_ptr + head).to(tl.float32)
+        running_sum = tl.full((), 1.0, tl.float32)
+    else:
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for start in range(lo, hi + 1, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)  # [BLOCK_S]
@@ -77,9 +86,11 @@ def decode_attention_kernel(
 @torch.library.custom_op("qrt::decode_attention_triton", mutates_args=())
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                             first: torch.Tensor, last: torch.Tensor, scale: float, softcap: float,
-                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract (decode_attention_reference.decode_attention): q [B, H, hd];
-    caches [N, KVH, S, hd] with unit stride along hd; slots, first, last [B]. Returns [B, H, hd]."""
+    caches [N, KVH, S, hd] with unit stride along hd; slots, first, last [B]; sinks [H] or None.
+    Returns [B, H, hd]."""
     check_launchable(q, "decode attention", "use qrt::decode_attention")
     rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -89,24 +100,24 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)  # [B, H, hd]
     fp8 = k_scale is not None
     decode_attention_kernel[(rows, heads)](
-        q, k_cache, v_cache, slots, first, last, k_scale if fp8 else q, v_scale if fp8 else q, out,
+        q, k_cache, v_cache, slots, first, last, k_scale if fp8 else q, v_scale if fp8 else q,
+        q if sinks is None else sinks.contiguous(), out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         scale, softcap if softcap > 0 else 1.0,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=BLOCK_S,
-        FP8_CACHE=fp8, SOFTCAP=softcap > 0,
+        FP8_CACHE=fp8, SOFTCAP=softcap > 0, SINKS=sinks is not None,
     )
     return out
 
 
 @decode_attention_triton.register_fake
-def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale):
+def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale, sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 declare(Kernel(
     "qrt.decode_attention_triton", devices=("cuda",), serves=("qrt.decode_attention",),
     replaces="qrt.decode_attention", layout=KV_CACHE, recorded_as="attention_kernel", preference=-10,
-    accepts=lambda sinks=False, **facts: not sinks,  # attention sinks (gpt-oss) run the reference
     why="CUDA: Triton, one program per (row, query head), each row's extent read on the device "
         "(no host synchronisation; capturable in a CUDA graph)"))

@@ -257,7 +257,7 @@ class Attention(nn.Module):
         # The decode-attention kernel for this cache, which the attention swap pass reads from the
         # op's k_cache argument (qrt/passes/swap_attention.py).
         self.k_cache.attention_kernel = choose("qrt.decode_attention", device.type, head_dim=self.head_dim,
-                                     group=self.num_heads // self.num_kv_heads, sinks=self.sinks is not None).op
+                                     group=self.num_heads // self.num_kv_heads).op
 
     def _write_cache(self, k, v, positions, slots) -> None:
         """Store k, v ([B, KVH, T, hd]) at `positions` of cache rows `slots` (quantized first for
