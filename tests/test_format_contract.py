@@ -30,8 +30,13 @@ MAX_SEQ_LEN = 128  # as conftest's `compiled`, whose models the online cases sha
 #   them exact, which moves some activations downstream across int8 rounding edges: the two runs
 #   carry different draws of the activation rounding noise (about 1-2% of the logits each).
 _INT8_ACTIVATIONS = 0.05
+# - a case loaded in bf16 runs the same kernels eager and compiled, but Inductor fuses the norms,
+#   the rotary embedding and the residual adds, rounding their bf16 results in other places than
+#   eager's op-by-op code: measured 0.6% of the logits.
+_BF16_MODEL = 0.02
 TOLERANCE = {"compressed-tensors:float-quantized": 1e-2, "online:w8a8": _INT8_ACTIVATIONS,
-             "compressed-tensors:int W8A8": _INT8_ACTIVATIONS, "stored:qqq": _INT8_ACTIVATIONS}
+             "compressed-tensors:int W8A8": _INT8_ACTIVATIONS, "stored:qqq": _INT8_ACTIVATIONS,
+             "compressed-tensors:mxfp4-pack-quantized": _BF16_MODEL}
 # Batch 2: the forward graph is compiled for one batch size, and other tests score pairs.
 CONTRACT_IDS = random_ids(shape=(2, 12))
 

@@ -7,11 +7,13 @@ imports this module; the registry itself imports no format, so no import runs in
 
 # Stored formats, detected from a checkpoint.
 from . import fp8_checkpoint  # noqa: F401  HF fp8, ModelOpt FP8, compressed-tensors float-quantized
+from . import modelopt_nvfp4  # noqa: F401  ModelOpt NVFP4, handed its configs by fp8_checkpoint
 from .compressed_tensors import config  # noqa: F401  the compressed-tensors config; its sub-formats follow
 from .compressed_tensors import int_weight_only  # noqa: F401
 from .compressed_tensors import int_w8a8  # noqa: F401
 from .compressed_tensors import marlin24  # noqa: F401
 from .compressed_tensors import nvfp4  # noqa: F401  NVFP4 (and the method ModelOpt NVFP4 shares)
+from .compressed_tensors import mxfp4 as ct_mxfp4  # noqa: F401  MXFP4A16
 from . import gptq  # noqa: F401
 from . import awq  # noqa: F401
 from . import qqq  # noqa: F401
