@@ -200,22 +200,25 @@ def test_mxfp4_dequantizes_bit_for_bit_as_transformers():
 
 @pytest.fixture(scope="module")
 def mxfp4(tmp_path_factory):
-    """(transformers' float32 model dequantized from the MXFP4 file, qrt's compiled model of it)."""
+    """(folder, transformers' float32 model dequantized from the MXFP4 file, qrt's eager model of it)."""
     folder = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     make_gpt_oss_mxfp4_checkpoint(folder, dtype=torch.float32)
-    return load_reference(folder), runtime.compile_model(folder, progress=False, max_seq_len=128)
+    return folder, load_reference(folder), runtime.compile_model(folder, compile=False, progress=False,
+                                                                 max_seq_len=128)
 
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4):
-    """Each expert's stored codes and scales, as qrt holds them after loading, are exactly the
-    weights transformers dequantized from the file (gate and up rows de-interleaved)."""
-    hf, model = mxfp4
+    """Each expert's codes and scales, as qrt holds them after loading (in the reference layout,
+    which a float32 model's experts get), are exactly the weights transformers dequantized from the
+    file (gate and up rows de-interleaved)."""
+    _, hf, model = mxfp4
     assert model.scheme.name == "mxfp4"
     for index, layer in enumerate(model.model.model.layers):
         experts, reference = layer.mlp.experts, hf.model.layers[index].mlp.experts
         expected = {"gate_up_proj": reference.gate_up_proj.transpose(1, 2), "down_proj": reference.down_proj.transpose(1, 2)}
         for projection in ("gate_up_proj", "down_proj"):
             stacked = getattr(experts, projection)
+            assert stacked.weight.kernel == "qrt.lut4_linear"
             want = expected[projection]  # [E, N, K]
             if projection == "gate_up_proj":
                 want = torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)
@@ -226,13 +229,39 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4):
 
 
 def test_mxfp4_model_matches_transformers_dequantized(mxfp4):
-    hf, model = mxfp4
+    _, hf, model = mxfp4
     ids = random_ids(5, PARITY_SHAPE)
     with torch.no_grad():
         expected = hf(ids).logits
-    assert relative_l2(model(ids), expected) < 1e-5  # the same fp32 weights; only the order of sums differs
+        got = model(ids)
+    assert relative_l2(got, expected) < 1e-5  # the same fp32 weights; only the order of sums differs
+
+
+@pytest.mark.slow
+def test_compiled_mxfp4_model_generates_as_transformers(mxfp4):
+    folder, hf, _ = mxfp4
+    model = runtime.compile_model(folder, progress=False, max_seq_len=128)
+    ids = random_ids(5, PARITY_SHAPE)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert relative_l2(model(ids), expected) < 1e-5
     prompt = random_ids(6, (1, PROMPT_LENGTH))
     with torch.no_grad():
         tokens = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, PROMPT_LENGTH:]
     assert decode_without_recompiles(model, prompt[0].tolist(), 32) == tokens.tolist()
     assert_one_graph_per_role(model)
+
+
+@pytest.mark.slow
+def test_bf16_mxfp4_model_matches_transformers_in_bf16(tmp_path):
+    make_gpt_oss_mxfp4_checkpoint(tmp_path, dtype=torch.bfloat16)
+    hf = load_reference(tmp_path, torch.bfloat16)
+    model = runtime.compile_model(tmp_path, progress=False, max_seq_len=128)
+    ids = random_ids(7, PARITY_SHAPE)
+    with torch.no_grad():
+        expected = hf(ids).logits.float()
+        exact = load_reference(tmp_path, torch.float32)(ids).logits  # the same weights, in fp32
+    got = model(ids)
+    # As the dense bf16 test: both bf16 runs about as far from the fp32 run of the same weights.
+    assert relative_l2(got, exact) < 2 * relative_l2(expected, exact) + 1e-3
+    assert relative_l2(got, expected) < 3e-2
