@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default",
                         help="default (SmolLM2-135M-Instruct), 1b (random-weight 0.85B Llama), moe (random-weight "
-                             "Qwen3-MoE, 1.0B of which 0.23B active), a popular model's shape with random weights and "
+                             "Qwen3-MoE, 1.0B of which 0.23B active), gpt-oss (random-weight, 0.1B), a popular model's "
+                             "shape with random weights and "
                              f"llama.cpp's GGUF files of it ({', '.join(SHAPES)}), or a checkpoint folder")
     parser.add_argument("--quant", type=name_list(QUANTS), default=",".join(QUANTS),
                         help=f"comma-separated qrt formats: bf16 (weights as stored), {', '.join(online_formats())}")
@@ -150,11 +151,15 @@ def resolve_model(name: str):
         from bench.tools.random_moe import random_moe_path
 
         return random_moe_path(), "random-weight Qwen3-MoE 1.0B (0.23B active)", None
+    if name == "gpt-oss":
+        from bench.tools.random_gpt_oss import random_gpt_oss_path
+
+        return random_gpt_oss_path(), "random-weight gpt-oss 0.1B", None
     if name in SHAPES:  # a random-weight model of a popular shape, with llama.cpp's GGUF files of it
         return scale_checkpoint(name), f"random-weight {name}", lambda: scale_ggufs(name)
     path = Path(name)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model: expected default, 1b, moe, one of {', '.join(SHAPES)} or a checkpoint folder "
+        raise SystemExit(f"--model: expected default, 1b, moe, gpt-oss, one of {', '.join(SHAPES)} or a checkpoint folder "
                          f"with a config.json, got {name!r}")
     return path, path.name, None
 
