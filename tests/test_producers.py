@@ -35,6 +35,7 @@ from helpers.activation_rounding import (
 from helpers.compare import relative_l2
 from helpers.tp_worker import teacher_forced_logits
 from producers import autoawq_variants, gptqmodel_variants, llmcompressor_variants, modelopt_variants
+from producers import bitsandbytes_variants
 from producers import build as kit_build
 from producers.base_models import load_tensors
 
@@ -45,7 +46,7 @@ from qrt.layers.experts import FusedExperts
 pytestmark = pytest.mark.producers
 
 VARIANTS = [*gptqmodel_variants.VARIANTS, *autoawq_variants.VARIANTS, *llmcompressor_variants.VARIANTS,
-            *modelopt_variants.VARIANTS]
+            *modelopt_variants.VARIANTS, *bitsandbytes_variants.VARIANTS]
 # 40 byte tokens: 16 as the prompt chunk, then 24 decode steps, so that the compared logits come
 # from both graphs and from attention over a KV cache that grows to the whole sequence.
 IDS = list(b"Quantized checkpoints from real producers.")[:40]
@@ -369,7 +370,9 @@ def test_float32_at_tp2_matches_the_producers_reference(name, mode, sharded_in_t
 # rest run: per-channel and per-tensor scales split anywhere, and act-order keeps its group
 # scales whole on every rank.
 SPLIT_IN_FOUR = {"gptqmodel-w4g128-actorder", "llmc-fp8-static", "llmc-fp8-dynamic", "llmc-w8a8-int8",
-                 "llmc-fp8-dynamic-moe", "modelopt-fp8", "modelopt-fp8-kv"}
+                 "llmc-fp8-dynamic-moe", "modelopt-fp8", "modelopt-fp8-kv",
+                 # bitsandbytes' blocks of 64 (and its int8 rows): 64 and 192 features are whole blocks.
+                 *(name for name in VARIANTS if name.startswith("bnb-"))}
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -31,6 +31,7 @@ PRODUCERS = {
     "autoawq": ("autoawq_variants.py", "autoawq", "autoawq-"),
     "llmcompressor": ("llmcompressor_variants.py", "llmcompressor", "llmc-"),
     "modelopt": ("modelopt_variants.py", "modelopt", "modelopt-"),
+    "bitsandbytes": ("bitsandbytes_variants.py", "bitsandbytes", "bnb-"),
 }
 PIP_TIMEOUT = 1800  # torch alone is a 190 MB wheel
 VARIANT_TIMEOUT = 900  # each takes 5-35 s here; a hang must not stall the kit
