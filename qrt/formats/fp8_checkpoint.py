@@ -23,7 +23,7 @@ from qrt.errors import ConfigError, TensorMismatch, UnsupportedError
 from qrt.layers.linear import LinearMethod, check_shape, copy_rows, install_packed, make_parameter, replace_parameter
 from qrt.layers.tensor_parallel import DENSE_WEIGHT, OUTPUT_VECTOR, WHOLE, TensorSplit
 from qrt.formats.scheme import QuantScheme, read_json
-from qrt.formats.registry import CompressedTensorsGroup, compressed_tensors_format, side_file, stored_format
+from qrt.formats.registry import STORED, CompressedTensorsGroup, compressed_tensors_format, side_file, stored_format
 
 @dataclass(frozen=True)
 class Fp8Storage:
@@ -219,8 +219,15 @@ _MODELOPT_FP8 = {
 def _modelopt(algo, kv_algo, skip, source) -> QuantScheme:
     algo = str(algo).upper()
     if algo not in _MODELOPT_FP8:
-        raise UnsupportedError(f"{source}: ModelOpt quant_algo={algo!r} is not supported yet; supported: "
-                               f"{sorted(_MODELOPT_FP8)}")
+        # ModelOpt's other algorithms live in modules of their own, registered as the stored formats
+        # "modelopt-<algo>" (modelopt_nvfp4.py), which read the same settings.
+        other = STORED.get(f"modelopt-{algo.lower()}")
+        if other is None:
+            others = sorted(name.removeprefix("modelopt-").upper() for name in STORED if name.startswith("modelopt-"))
+            raise UnsupportedError(f"{source}: ModelOpt quant_algo={algo!r} is not supported yet; supported: "
+                                   f"{sorted(_MODELOPT_FP8) + others}")
+        return other.read({"quant_method": other.quant_method, "quant_algo": algo, "kv_cache_quant_algo": kv_algo,
+                           "ignore": list(skip)}, source)
     kv = "modelopt" if kv_algo is not None and str(kv_algo).upper() == "FP8" else None
     if kv_algo is not None and kv is None:
         raise UnsupportedError(f"{source}: ModelOpt kv_cache_quant_algo={kv_algo!r} is not supported; only FP8")

@@ -1,4 +1,4 @@
-"""The activation rounding of W8A8 and FP8 formats, for the dequantized reference models.
+"""The activation rounding of W8A8, FP8 and NVFP4 formats, for the dequantized reference models.
 
 A format that quantizes activations rounds each quantized linear's input before the matmul. A
 reference that only dequantizes the weights then differs from qrt by that rounding (~10% on the
@@ -56,6 +56,31 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """Symmetric int8 with one scale per row (amax / 127), round half to even, dequantized."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_MAX
     return (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4 E2M1's values >= 0, code order
+
+
+def nvfp4_static_global(global_scale: float):
+    """NVFP4 activations (compressed-tensors' float 4-bit "tensor_group" args, group 16, dynamic
+    "local"): each run of 16 input channels gets the block scale e4m3(global x amax / 6) (0: e4m3's
+    epsilon, 0.125), and each value the E2M1 value nearest to x / (scale / global), a tie to the
+    even code, times scale / global: [..., K] fp32."""
+    def rounding(x: torch.Tensor) -> torch.Tensor:
+        g = torch.tensor(global_scale, dtype=torch.float32)
+        groups = x.float().unflatten(-1, (-1, 16))  # [..., K / 16, 16]
+        scale = (g * (groups.abs().amax(dim=-1, keepdim=True) / 6)).clamp(-E4M3_MAX, E4M3_MAX)
+        scale = scale.to(torch.float8_e4m3fn).float()
+        scale = torch.where(scale == 0, torch.full_like(scale, 0.125), scale) / g
+        scaled = (groups / scale).clamp(-6, 6)
+        grid = torch.tensor(E2M1_MAGNITUDES)
+        distance = (scaled.abs()[..., None] - grid).abs()  # [..., K / 16, 16, 8]
+        nearest = distance == distance.amin(dim=-1, keepdim=True)
+        # Of two equally near neighbours the one with the even code (0, 1, 2, 4) wins.
+        even = nearest & (torch.arange(8) % 2 == 0)
+        pick = torch.where(even.any(dim=-1), even.int().argmax(dim=-1), nearest.int().argmax(dim=-1))
+        return (grid[pick] * scaled.sign() * scale).flatten(-2)
+    return rounding
 
 
 def with_int8_lm_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -46,6 +46,10 @@ def _sparsegpt_rtn(scheme):
     return [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", ignore=SPARSEGPT_IGNORE), *_rtn(scheme)]
 
 
+# NVFP4's activations: E2M1 per group of 16 input channels, each group's e4m3 scale found at run
+# time under the calibrated `input_global_scale`.
+NVFP4_ACTIVATIONS = "nvfp4 per-group-16, static global scale"
+
 # name: (base architecture, recipe builder, preset scheme, scheme text, activation_quant)
 VARIANTS = {
     "llmc-w4a16-sym": ("llama", _gptq, "W4A16", "GPTQ int4 group-128 symmetric (pack-quantized)", None),
@@ -61,6 +65,12 @@ VARIANTS = {
     "llmc-w4a16-sym-qwen2": ("qwen2", _gptq, "W4A16", "GPTQ int4 group-128 symmetric (pack-quantized)", None),
     "llmc-w4a16-sym-moe": ("qwen3_moe", _gptq, "W4A16", "GPTQ int4 group-128 symmetric (pack-quantized)", None),
     "llmc-fp8-dynamic-moe": ("qwen3_moe", _rtn, "FP8_DYNAMIC", "fp8 e4m3 per-channel weights (float-quantized)", "fp8 per-token dynamic"),
+    "llmc-nvfp4a16": ("llama", _rtn, "NVFP4A16", "NVFP4 weights: E2M1 codes, an e4m3 scale per 16, an fp32 global "
+                      "scale (nvfp4-pack-quantized)", None),
+    "llmc-nvfp4": ("llama", _rtn, "NVFP4", "NVFP4 weights and FP4 activations (nvfp4-pack-quantized)",
+                   NVFP4_ACTIVATIONS),
+    "llmc-nvfp4a16-moe": ("qwen3_moe", _rtn, "NVFP4A16", "NVFP4 weights: E2M1 codes, an e4m3 scale per 16, an fp32 "
+                          "global scale (nvfp4-pack-quantized)", None),
 }
 
 
@@ -112,8 +122,41 @@ def dequantize(folder: Path) -> tuple[dict, list[str]]:
     # scales as saved, q x scale (up to 4 + 11 significant bits) is rounded to that dtype, which
     # is not the weight the checkpoint defines. Given float32 scales, every product is exact.
     tensors = converter.validate({name: tensor.float() if name.endswith(".weight_scale") else tensor
-                                  for name, tensor in saved.items() if not name.endswith(".input_scale")})
+                                  for name, tensor in saved.items() if not name.endswith(ACTIVATION_SCALES)})
+    if any(name.endswith(".weight_global_scale") for name in saved):
+        tensors.update(nvfp4_weights_in_float32(folder, saved, quantized, tensors))
     return tensors, quantized
+
+
+# Static activation scales: fp8's input_scale, NVFP4's input_global_scale.
+ACTIVATION_SCALES = (".input_scale", ".input_global_scale")
+
+
+def nvfp4_weights_in_float32(folder: Path, saved: dict, quantized: list[str], decompressed: dict) -> dict:
+    """NVFP4 weights dequantized by compressed-tensors' own functions in float32. Its NVFP4
+    decompressor unpacks the codes to bfloat16 and returns the weight in that dtype, rounding each
+    e2m1 x (e4m3 / global) product (2 + 24 significant bits) to 8 bits; the same unpacking and
+    `dequantize` asked for float32 keep the product the checkpoint defines. Each weight is checked
+    against the decompressor's: equal once rounded to bfloat16."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+
+    config = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    weights = {}
+    for module in quantized:
+        packed = saved[f"{module}.weight_packed"]
+        codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+        weight = ct_dequantize(codes, scale=saved[f"{module}.weight_scale"].float(), args=scheme.weights,
+                               dtype=torch.float32, global_scale=saved[f"{module}.weight_global_scale"])
+        if not torch.equal(weight.to(torch.bfloat16), decompressed[f"{module}.weight"].to(torch.bfloat16)):
+            raise AssertionError(f"{module}: the float32 NVFP4 weight does not round to the decompressor's")
+        weights[f"{module}.weight"] = weight
+    return weights
 
 if __name__ == "__main__":
     base_models.cli(VARIANTS, main)

@@ -104,8 +104,9 @@ def write_nvfp4(folder, producer: str = "compressed-tensors", activations: bool 
     config = json.loads((folder / "config.json").read_text())
     if producer == "compressed-tensors":
         config["quantization_config"] = ct_nvfp4_config(activations)
-    else:
-        config["quantization_config"] = modelopt_nvfp4_config(activations)
+    else:  # ModelOpt's NVFP4 always rounds activations
+        assert activations, "ModelOpt NVFP4 checkpoints carry input_scale"
+        config["quantization_config"] = modelopt_nvfp4_config()
     (folder / "config.json").write_text(json.dumps(config))
     return dequantized
 
@@ -123,9 +124,12 @@ def ct_nvfp4_config(activations: bool) -> dict:
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-def modelopt_nvfp4_config(activations: bool) -> dict:
-    return {"quant_method": "modelopt", "quant_algo": "NVFP4" if activations else "NVFP4_WEIGHT_ONLY",
-            "producer": {"name": "modelopt"}, "group_size": 16, "ignore": ["lm_head"]}
+def modelopt_nvfp4_config() -> dict:
+    """As ModelOpt 0.47's export_hf_checkpoint writes it into config.json."""
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    return {"config_groups": {"group_0": {"input_activations": fp4, "weights": fp4, "targets": ["Linear"]}},
+            "ignore": ["lm_head", "model.embed_tokens"], "quant_algo": "NVFP4",
+            "producer": {"name": "modelopt", "version": "0.47.0"}, "quant_method": "modelopt"}
 
 
 def lut4_kernels(device: str) -> frozenset:
@@ -138,4 +142,6 @@ def lut4_kernels(device: str) -> frozenset:
 CASES = {
     "compressed-tensors:nvfp4-pack-quantized": FormatCase(lambda folder: write_nvfp4(folder), None,
                                                           lut4_kernels("cpu"), lut4_kernels("cuda")),
+    "stored:modelopt-nvfp4": FormatCase(lambda folder: write_nvfp4(folder, "modelopt", activations=True), None,
+                                        lut4_kernels("cpu"), lut4_kernels("cuda")),
 }
