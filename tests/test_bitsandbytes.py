@@ -13,10 +13,16 @@ from safetensors import safe_open
 import qrt.formats.bitsandbytes_4bit as bnb_4bit
 import qrt.formats.bitsandbytes_8bit as bnb_8bit
 from qrt import runtime
-from qrt.errors import CheckpointError
+from qrt.checkpoint.config import DeviceConfig, LoadConfig
+from qrt.checkpoint.loader import load_model
+from qrt.checkpoint.source import SafetensorsCheckpoint
+from qrt.errors import CheckpointError, UnsupportedError
 from qrt.formats.bitsandbytes import skip_patterns
+from qrt.formats.resolve import resolve_scheme
 from qrt.formats.scheme import matches
+from qrt.layers.tensor_parallel import Parallelism
 from qrt.layers.unquantized import UnquantizedLinearMethod
+from qrt.runtime.registry import ModelRegistry
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is the oracle here "
                                      "(pip install '.[test]')")
@@ -188,3 +194,15 @@ def test_a_wrong_code_table_is_named_with_its_file(folders, tmp_path):
         runtime.compile_model(broken, compile=False, progress=False, max_seq_len=64)
     assert f"tensor '{tensor}'" in str(err.value) and "NF4 table" in str(err.value)
     assert str(broken / "model.safetensors") in str(err.value)
+
+
+def test_a_row_parallel_split_that_cuts_blocks_is_refused_with_the_largest_tp(folders):
+    """down_proj's 160 input channels hold groups of 32 (blocks of 64 crossing rows): at tp=2 a
+    rank's 80 are not whole groups."""
+    checkpoint = SafetensorsCheckpoint(folders("nf4"))
+    scheme = resolve_scheme(checkpoint.hf_config, None, checkpoint.config_path, checkpoint.folder)
+    model_cls = ModelRegistry.resolve(checkpoint.hf_config, source=checkpoint.config_path)
+    with pytest.raises(UnsupportedError, match=r"mlp.down_proj: with tp=2 a rank holds 80 input channels, which "
+                                               r"split bitsandbytes' blocks of 64 \(groups of 32.*largest tp this "
+                                               r"layer allows is 1"):
+        load_model(model_cls, checkpoint, scheme, LoadConfig(progress=False), DeviceConfig(), Parallelism(2, 1, None))
