@@ -265,3 +265,37 @@ def test_bf16_mxfp4_model_matches_transformers_in_bf16(tmp_path):
     # As the dense bf16 test: both bf16 runs about as far from the fp32 run of the same weights.
     assert relative_l2(got, exact) < 2 * relative_l2(expected, exact) + 1e-3
     assert relative_l2(got, expected) < 3e-2
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one(tmp_path):
+    """tp=2, dense and MXFP4: each rank holds half of the heads (and their sinks) and half of every
+    expert's intermediate features, cut from the checkpoint's one tensor per projection."""
+    import json
+    import os
+    from pathlib import Path
+
+    from bench.tp import torchrun_localhost
+
+    ids, prompt = random_ids(8, (2, 20)), random_ids(9, (1, PROMPT_LENGTH))[0].tolist()
+    folders = {"dense": tmp_path / "dense", "mxfp4": tmp_path / "mxfp4"}
+    make_gpt_oss_checkpoint(folders["dense"])
+    make_gpt_oss_mxfp4_checkpoint(folders["mxfp4"], dtype=torch.float32)
+    jobs = [dict(name=name, path=str(folder), quant=None, compile=False, ids=ids.tolist(), prompt=prompt, steps=16)
+            for name, folder in folders.items()]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    worker = Path(__file__).parent / "helpers" / "tp_worker.py"
+    done = torchrun_localhost(2, [str(worker), str(tmp_path / "jobs.json"), str(tmp_path / "results.pt")],
+                              {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
+    assert done.returncode == 0, done.stderr[-6000:]
+    sharded = torch.load(tmp_path / "results.pt")
+    for name, folder in folders.items():
+        model = runtime.compile_model(folder, compile=False, progress=False, max_seq_len=128)
+        with torch.no_grad():
+            logits = model(ids)
+        # fp32 in both: only the two halves' sums of each row-parallel output differ in order
+        assert relative_l2(sharded[name]["logits"], logits) < 1e-5, name
+        assert sharded[name]["tokens"] == model.generate(prompt, max_new_tokens=16, stop_at_eos=False), name
+        shapes = sharded[name]["ranks"][1]["shapes"]
+        assert shapes["model.layers.0.self_attn.sinks"] == [2]
+        assert shapes["model.layers.0.mlp.experts.down_proj.weight"][0] == 4, name

@@ -18,11 +18,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from qrt.checkpoint.loader import rank_cuts
 from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.kernels.activation_reference import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from qrt.layers.experts import FusedExperts
 from qrt.layers.linear import Linear, make_parameter
-from qrt.layers.tensor_parallel import SINGLE
+from qrt.layers.tensor_parallel import SINGLE, cut_tensor
 from qrt.layers.unquantized import UnquantizedLinearMethod
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, MoEConfig
@@ -73,9 +74,6 @@ class GptOssExperts(FusedExperts):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.parallel.sharded:
-            raise UnsupportedError(f"{self.checkpoint_prefix}: gpt-oss experts do not run under tensor "
-                                   f"parallelism yet; use tp=1")
         self.stored_names = []
         first = self._modules["0"]
         for projection in ("gate_up_proj", "down_proj"):
@@ -85,33 +83,46 @@ class GptOssExperts(FusedExperts):
                            for e in range(self.num_experts)]
                 for e in range(self.num_experts):  # loaded through the stand-in only
                     getattr(getattr(self._modules[str(e)], projection), name).weight_loader = None
-                shape = (self.num_experts, *_stored_shape(name, tuple(param.shape)))
+                shape = (self.num_experts, *_stored_shape(name, _whole_shape(getattr(first, projection), param)))
                 setattr(self, stored, make_parameter(
                     torch.empty(0, dtype=torch.uint8),  # a stand-in: the values go to the experts' own parameters
-                    weight_loader=self._hand_out(projection, name, loaders, shape), loaded_shape=shape))
+                    weight_loader=self._hand_out(projection, name, stored, loaders, shape), loaded_shape=shape))
                 self.stored_names.append(stored)
 
-    def _hand_out(self, projection: str, name: str, loaders: list, shape: tuple):
+    def _hand_out(self, projection: str, name: str, stored: str, loaders: list, shape: tuple):
         def load(_, loaded: torch.Tensor, shard_id):
             if tuple(loaded.shape) != shape:
                 raise TensorMismatch(f"shape {list(loaded.shape)}, expected {list(shape)} "
                                      f"(one [{', '.join(map(str, shape[1:]))}] per expert)")
             for expert, loader in enumerate(loaders):
-                target = getattr(getattr(self._modules[str(expert)], projection), name)
+                param_name = f"{expert}.{projection}.{name}"
                 rows = loaded[expert]
                 if name == "weight":  # dense weights are stored [K, N]; a Linear holds [N, K]
                     rows = rows.t()
-                if projection == "gate_up_proj":  # gate and up channels alternate: shards 0 and 1
-                    loader(target, rows[0::2], 0)
-                    loader(target, rows[1::2], 1)
-                else:
-                    loader(target, rows, None)
+                # Gate and up channels alternate: shards 0 and 1.
+                shards = ((0, rows[0::2]), (1, rows[1::2])) if projection == "gate_up_proj" else ((None, rows),)
+                for shard_id, part in shards:
+                    # Under tensor parallelism, this rank's part, as the loader cuts a tensor of its own.
+                    cuts = rank_cuts(self, param_name, shard_id, part.shape, f"{self.checkpoint_prefix}.{stored}")
+                    loader(self.get_parameter(param_name), cut_tensor(part, cuts) if cuts else part, shard_id)
         return load
 
     def finish_loading(self, device: torch.device) -> None:
         for stored in self.stored_names:
             del self._parameters[stored]
         super().finish_loading(device)
+
+
+def _whole_shape(linear: Linear, param) -> tuple:
+    """The shape of `param` for the whole layer: under tensor parallelism a rank holds a part of
+    its output rows or input channels."""
+    shape = list(param.shape)
+    output_dim, input_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    if output_dim is not None:
+        shape[output_dim] = shape[output_dim] * linear.full_output_size // linear.output_size
+    if input_dim is not None:
+        shape[input_dim] = shape[input_dim] * linear.full_input_size // linear.input_size
+    return tuple(shape)
 
 
 def _stored_shape(name: str, held: tuple) -> tuple:
