@@ -215,11 +215,12 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4):
     assert model.scheme.name == "mxfp4"
     for index, layer in enumerate(model.model.model.layers):
         experts, reference = layer.mlp.experts, hf.model.layers[index].mlp.experts
-        expected = {"gate_up_proj": reference.gate_up_proj.transpose(1, 2), "down_proj": reference.down_proj.transpose(1, 2)}
+        expected = {"gate_up_proj": reference.gate_up_proj.transpose(1, 2),  # [E, N, K]
+                    "down_proj": reference.down_proj.transpose(1, 2)}
         for projection in ("gate_up_proj", "down_proj"):
             stacked = getattr(experts, projection)
             assert stacked.weight.kernel == "qrt.lut4_linear"
-            want = expected[projection]  # [E, N, K]
+            want = expected[projection]
             if projection == "gate_up_proj":
                 want = torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)
             for e in range(hf.config.num_local_experts):
@@ -299,3 +300,35 @@ def test_two_ranks_match_one(tmp_path):
         shapes = sharded[name]["ranks"][1]["shapes"]
         assert shapes["model.layers.0.self_attn.sinks"] == [2]
         assert shapes["model.layers.0.mlp.experts.down_proj.weight"][0] == 4, name
+
+
+MINIMAL_CONFIG = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "intermediate_size": 64,
+                  "num_local_experts": 4}
+
+
+def test_what_config_json_leaves_out_is_what_transformers_assumes():
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from qrt.runtime.models.gpt_oss import GptOssForCausalLM
+    from qrt.runtime.models.layers import rope_frequencies
+
+    ours = GptOssForCausalLM.read_config(MINIMAL_CONFIG, "config.json")
+    theirs = transformers.GptOssConfig(**MINIMAL_CONFIG)
+    assert (ours.sliding_window, list(ours.layer_types)) == (theirs.sliding_window, theirs.layer_types)
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert (ours.head_dim, ours.rms_norm_eps, ours.moe.top_k) == (theirs.head_dim, theirs.rms_norm_eps,
+                                                                  theirs.num_experts_per_tok)
+    inv_freq, attention_factor = rope_frequencies(ours.rope)
+    expected_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs)
+    assert torch.allclose(inv_freq, expected_freq, rtol=1e-6) and attention_factor == pytest.approx(expected_factor)
+
+
+@pytest.mark.parametrize("key", ["swiglu_limit", "swiglu_alpha"])
+def test_other_swiglu_constants_are_refused(key):
+    from qrt.errors import UnsupportedError
+    from qrt.runtime.models.gpt_oss import GptOssForCausalLM
+
+    with pytest.raises(UnsupportedError, match=key):
+        GptOssForCausalLM.read_config({**MINIMAL_CONFIG, key: 5.0}, "config.json")

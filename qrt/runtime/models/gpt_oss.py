@@ -166,6 +166,7 @@ class GptOssForCausalLM(CausalLM):
     # What GptOssConfig assumes where config.json is silent.
     config_defaults = {"sliding_window": 128, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
                        "num_experts_per_tok": 4, "attention_bias": True, "head_dim": 64,
+                       "max_position_embeddings": 131072,
                        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                         "truncate": False, "original_max_position_embeddings": 4096}}
 
