@@ -10,7 +10,7 @@ The block size is not in the config: each weight's quant_state records its own.
 
 Which modules are quantized is read from the tensor names, where the checkpoint's files are at
 hand: transformers converts only `nn.Linear` modules, so the experts that transformers 5 holds as
-stacked parameters (Qwen3-MoE's, Mixtral's) are saved unquantized, while checkpoints written
+stacked parameters (Qwen3-MoE's, for one) are saved unquantized, while checkpoints written
 before, with one `nn.Linear` per expert, quantized them. The config does not say which.
 """
 
