@@ -31,7 +31,7 @@ import torch
 from bench.tp import torchrun_localhost
 from helpers.activation_rounding import (
     DRIFT_FACTOR, NUDGES, UNQUANTIZED, fp8_kv_cache, fp8_per_group, fp8_per_token, fp8_static, int8_per_group,
-    int8_per_token, nudged, reference_drift, rounded_inputs)
+    int8_per_token, nudged, nvfp4_static_global, reference_drift, rounded_inputs)
 from helpers.compare import relative_l2
 from helpers.tp_worker import teacher_forced_logits
 from producers import autoawq_variants, gptqmodel_variants, llmcompressor_variants, modelopt_variants
@@ -132,6 +132,14 @@ def activation_rounding(name: str, info: dict, reference: torch.nn.Module, tp: i
                 for module in info["quantized_modules"]}
     if kind == "fp8 per-group-128 dynamic":
         return fp8_per_group(128)  # a rank's part of a row is whole groups of 128
+    if kind == llmcompressor_variants.NVFP4_ACTIVATIONS:  # groups of 16, whole in a rank's part too
+        saved = saved_tensors(name)
+        return {module + ".weight": nvfp4_static_global(saved[module + ".input_global_scale"].item())
+                for module in info["quantized_modules"]}
+    if kind == modelopt_variants.NVFP4_ACTIVATIONS:  # ModelOpt's input_scale is 1 / the global scale
+        saved = saved_tensors(name)
+        return {module + ".weight": nvfp4_static_global(1 / saved[module + ".input_scale"].item())
+                for module in info["quantized_modules"]}
     per_token, per_group = {"fp8 per-token dynamic": (fp8_per_token, fp8_per_group),
                             "int8 per-token dynamic": (int8_per_token, int8_per_group)}[kind]
     if tp == 1:
@@ -371,6 +379,8 @@ def test_float32_at_tp2_matches_the_producers_reference(name, mode, sharded_in_t
 # scales whole on every rank.
 SPLIT_IN_FOUR = {"gptqmodel-w4g128-actorder", "llmc-fp8-static", "llmc-fp8-dynamic", "llmc-w8a8-int8",
                  "llmc-fp8-dynamic-moe", "modelopt-fp8", "modelopt-fp8-kv",
+                 # NVFP4's groups of 16: a rank's 64 or 192 input features are whole groups.
+                 *(name for name in VARIANTS if "nvfp4" in name),
                  # bitsandbytes' blocks of 64 (and its int8 rows): 64 and 192 features are whole blocks.
                  *(name for name in VARIANTS if name.startswith("bnb-"))}
 

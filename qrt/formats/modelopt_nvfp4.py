@@ -1,7 +1,7 @@
 """ModelOpt NVFP4 checkpoints (`quant_algo: "NVFP4"`, as `export_hf_checkpoint` writes them in
 config.json's `quantization_config` with `quant_method: "modelopt"`, and in hf_quant_config.json):
 E2M1 weights with an e4m3 scale per 16 input channels times the fp32 `weight_scale_2`, and FP4
-activations rounded per group of 16 under the static `input_scale` (docs/formats.md §3.6).
+activations rounded per group of 16 under the static `input_scale` (docs/formats.md §15).
 
 ModelOpt's config is read by fp8_checkpoint.py, which owns its FP8 algorithms and hands every
 other `quant_algo` to the stored format registered as "modelopt-<algo>": this one. The tensors are

@@ -1,7 +1,7 @@
 """NVFP4 checkpoints: compressed-tensors `nvfp4-pack-quantized` (llm-compressor's NVFP4A16 and
 NVFP4 schemes), and the linear method ModelOpt's NVFP4 (../modelopt_nvfp4.py) shares.
 
-Tensors per linear (docs/formats.md §3.6), in nn.Linear orientation:
+Tensors per linear (docs/formats.md §15), in nn.Linear orientation:
 - the codes, uint8 [N, K / 2]: two FP4 E2M1 codes a byte along K, the even channel in the low nibble
   (compressed-tensors `weight_packed`, ModelOpt `weight`);
 - the block scales, float8_e4m3fn [N, K / 16], one per 16 input channels (`weight_scale`);
@@ -27,7 +27,7 @@ from qrt.errors import TensorMismatch, UnsupportedError
 from qrt.formats.int_weights import copy_ints, remove_parameters, shard_slot
 from qrt.formats.registry import CompressedTensorsGroup, compressed_tensors_format
 from qrt.formats.scheme import QuantScheme
-from qrt.layers.linear import LinearMethod, install_packed, make_parameter, replace_parameter
+from qrt.layers.linear import LinearMethod, install_packed, make_parameter
 from qrt.layers.tensor_parallel import DENSE_WEIGHT, WHOLE
 
 
@@ -108,7 +108,9 @@ class Nvfp4LinearMethod(LinearMethod):
         weights = self._lut4_weights(layer)
         kernel = choose("qrt.lut4_linear", device.type, weights=weights, dtype=layer.params_dtype)
         if names.input_global is not None:
-            replace_parameter(layer, names.input_global, self._activation_global(layer))
+            # Under a name of qrt's own: the value is the multiplier, whichever way the file held it.
+            layer.activation_global = make_parameter(self._activation_global(layer), quant_format=self.name)
+            remove_parameters(layer, names.input_global)
         remove_parameters(layer, names.codes, names.block_scales, names.weight_global)
         install_packed(layer, kernel.layout.pack(weights, layer.params_dtype), kernel.op, quant_format=self.name,
                        note=names.describe())
@@ -149,7 +151,7 @@ class Nvfp4LinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.input_global is not None:
-            x = torch.ops.qrt.nvfp4_round_activations(x, getattr(layer, self.cfg.input_global))
+            x = torch.ops.qrt.nvfp4_round_activations(x, layer.activation_global)
         return self.layout.linear(layer, x)
 
 

@@ -1,5 +1,5 @@
 """NVFP4 checkpoints: compressed-tensors nvfp4-pack-quantized and ModelOpt NVFP4, written here from
-the formats' definitions (docs/formats.md §3.6), independently of qrt's loaders.
+the formats' definitions (docs/formats.md §15), independently of qrt's loaders.
 
 Each decoder linear W [N, K] gets a global scale from its amax (fused q/k/v and gate/up share the
 smallest, as llm-compressor and ModelOpt fuse them), an e4m3 scale per 16 input channels, and the
