@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.activation_rounding import nvfp4_static_global
-from helpers.checkpoints.format_cases.nvfp4 import write_nvfp4
+from helpers.checkpoints.format_cases.nvfp4 import lut4_kernels, write_nvfp4
 from helpers.checkpoints.tiny import edited_copy, random_ids
 from helpers.compare import relative_l2
 from producers import build as kit_build
@@ -131,9 +131,9 @@ def test_fp4_activations_compile_whole():
     assert torch.equal(compiled(x), nvfp4_static_global(100.0)(x) * 2)
 
 
-def linear_errors(model, reference_weight, rounding) -> list[str]:
+def linear_errors(model, reference_weight, rounding, bound: float = SUMMATION_ORDER) -> list[str]:
     """Each of qrt's attention and MLP linears against F.linear of its own input (rounded by
-    `rounding(weight name)`, or not) with the reference weights; the layers over SUMMATION_ORDER."""
+    `rounding(weight name)`, or not) with the reference weights, in float32; the layers over `bound`."""
     seen = {}
     for module_name, module in model.model.named_modules():
         if module_name.rpartition(".")[2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -149,8 +149,9 @@ def linear_errors(model, reference_weight, rounding) -> list[str]:
         for part in FUSED.get(leaf, (leaf,)):
             weight = f"model.{parent}.{part}.weight"
             round_input = rounding(weight)
-            parts.append(torch.nn.functional.linear(round_input(x) if round_input else x, reference_weight[weight]))
-        if (error := relative_l2(y, torch.cat(parts, dim=-1))) > SUMMATION_ORDER:
+            x_in = (round_input(x) if round_input else x).float()
+            parts.append(torch.nn.functional.linear(x_in, reference_weight[weight]))
+        if (error := relative_l2(y, torch.cat(parts, dim=-1))) > bound:
             failures.append(f"{module_name}: off by {error:.2e}")
     return failures
 
@@ -168,6 +169,34 @@ def test_fp4_activations_round_each_linears_input(tmp_path):
     assert not linear_errors(model, expected, rounding)
     # Left unrounded, the inputs give other outputs: the rounding is not a no-op here.
     assert linear_errors(model, expected, lambda weight: None)
+
+
+@pytest.mark.parametrize("producer", ["compressed-tensors", "modelopt"])
+def test_bfloat16_models_run_the_weights_on_the_kernel_chosen_for_them(producer, tmp_path):
+    """In bfloat16 the loader pass may choose another kernel than the reference (qrt's CPU kernel for
+    4-bit table codes, where it builds), which gets the same description of the weights: each linear
+    is within bfloat16's rounding of its input and output (2**-8 relative) of the exact weights."""
+    expected = write_nvfp4(tmp_path / producer, producer, activations=producer == "modelopt")
+    saved = load_file(str(tmp_path / producer / "model.safetensors"))
+    model = load(tmp_path / producer, torch.bfloat16)
+
+    def rounding(weight: str):
+        scale = saved.get(weight.removesuffix("weight") + "input_scale")
+        return None if scale is None else nvfp4_static_global(1 / scale.item())
+
+    assert not linear_errors(model, expected, rounding, bound=1e-2)
+    kernels = {p.kernel for m in model.model.modules() if getattr(m, "quant_method", None) is not None
+               for p in m.parameters(recurse=False) if getattr(p, "kernel", "aten.linear") != "aten.linear"}
+    assert kernels == lut4_kernels("cpu", torch.bfloat16)
+
+
+def test_modelopt_nvfp4_with_an_fp8_kv_cache_keeps_its_scales(tmp_path):
+    write_nvfp4(tmp_path / "modelopt", "modelopt", activations=True, fp8_kv_cache=True)
+    model = load(tmp_path / "modelopt")
+    attention = model.model.model.layers[1].self_attn
+    assert attention.k_cache.dtype == torch.float8_e4m3fn
+    assert float(attention.k_scale) == torch.tensor(0.0125).item()
+    assert float(attention.v_scale) == torch.tensor(0.02).item()
 
 
 def test_a_checkpoint_with_other_tensors_is_refused_by_name(tmp_path):

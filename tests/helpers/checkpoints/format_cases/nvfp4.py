@@ -59,9 +59,10 @@ def quantize(w: torch.Tensor, amax: torch.Tensor, producer: str):
 
 
 def write_nvfp4(folder, producer: str = "compressed-tensors", activations: bool = False, fuse_globals: bool = True,
-                arch: str = "llama", seed: int = 0) -> dict:
-    """Write a tiny `arch` checkpoint in `producer`'s NVFP4 layout into `folder`; return the
-    dequantized weight of every quantized linear by checkpoint name."""
+                arch: str = "llama", seed: int = 0, fp8_kv_cache: bool = False) -> dict:
+    """Write a tiny `arch` checkpoint in `producer`'s NVFP4 layout into `folder` (ModelOpt's with
+    an FP8 KV cache's k_scale / v_scale if asked); return the dequantized weight of every
+    quantized linear by checkpoint name."""
     folder.mkdir(parents=True, exist_ok=True)
     hf = make_checkpoint(folder, arch, seed=seed)
     state = {name: value.detach().clone() for name, value in hf.state_dict().items()}
@@ -98,6 +99,9 @@ def write_nvfp4(folder, producer: str = "compressed-tensors", activations: bool 
                 tensors[f"{module}.input_global_scale"] = scale.reshape(1).float()
             else:
                 tensors[f"{module}.input_scale"] = (1 / scale).reshape(()).float()
+        if fp8_kv_cache and module.endswith(("k_proj", "v_proj")):  # amax / 448, as ModelOpt exports them
+            leaf_name = "k_scale" if module.endswith("k_proj") else "v_scale"
+            tensors[f"{module}.{leaf_name}"] = torch.tensor(0.0125 if leaf_name == "k_scale" else 0.02)
     for path in folder.glob("*.safetensors"):
         path.unlink()
     save_file(tensors, str(folder / "model.safetensors"))
@@ -107,6 +111,8 @@ def write_nvfp4(folder, producer: str = "compressed-tensors", activations: bool 
     else:  # ModelOpt's NVFP4 always rounds activations
         assert activations, "ModelOpt NVFP4 checkpoints carry input_scale"
         config["quantization_config"] = modelopt_nvfp4_config()
+        if fp8_kv_cache:
+            config["quantization_config"]["kv_cache_scheme"] = {"type": "float", "num_bits": 8, "dynamic": False}
     (folder / "config.json").write_text(json.dumps(config))
     return dequantized
 
@@ -132,11 +138,11 @@ def modelopt_nvfp4_config() -> dict:
             "producer": {"name": "modelopt", "version": "0.47.0"}, "quant_method": "modelopt"}
 
 
-def lut4_kernels(device: str) -> frozenset:
-    """The kernel the loader pass chooses for these layers' weights on `device`."""
+def lut4_kernels(device: str, dtype: torch.dtype = torch.float32) -> frozenset:
+    """The kernel the loader pass chooses for these layers' weights on `device` in `dtype`."""
     sample = Lut4Weights(torch.zeros(64, 64, dtype=torch.uint8), E2M1, 16, torch.full((64, 4), 0x38, dtype=torch.uint8),
                          "e4m3", torch.tensor(1.0), True)
-    return frozenset({choose("qrt.lut4_linear", device, weights=sample, dtype=torch.float32).op})
+    return frozenset({choose("qrt.lut4_linear", device, weights=sample, dtype=dtype).op})
 
 
 CASES = {
