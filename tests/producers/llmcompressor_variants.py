@@ -71,6 +71,8 @@ VARIANTS = {
                    NVFP4_ACTIVATIONS),
     "llmc-nvfp4a16-moe": ("qwen3_moe", _rtn, "NVFP4A16", "NVFP4 weights: E2M1 codes, an e4m3 scale per 16, an fp32 "
                           "global scale (nvfp4-pack-quantized)", None),
+    "llmc-mxfp4a16": ("llama", _rtn, "MXFP4A16", "MXFP4 weights: E2M1 codes, an e8m0 exponent per 32 "
+                      "(mxfp4-pack-quantized)", None),
 }
 
 
