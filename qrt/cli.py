@@ -12,8 +12,8 @@ import torch
 from qrt.chat_terminal import MAX_NEW_TOKENS as CHAT_MAX_NEW_TOKENS, add_chat_args, run_chat
 from qrt.checkpoint.hub import is_hub_id
 from qrt.errors import QrtError
-from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, online_formats, side_file_formats,
-                                 stored_formats)
+from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, kernels_of, online_formats,
+                                 side_file_formats, stored_formats)
 
 from qrt.runtime.compiled import BUILDS
 from qrt.runtime.distributed import leave_process_group
@@ -451,16 +451,20 @@ def _formats(args) -> int:
     if args.markdown:
         print(formats_markdown())
         return 0
+    def kernels(entry) -> str:
+        return "\n" + " " * 25 + "kernels: " + kernels_of(entry.computes).replace("`", "")
+
     print("stored (detected from the checkpoint):")
     for fmt in stored_formats().values():
-        print(f"  {fmt.quant_method:20s} {fmt.summary}")
+        print(f"  {fmt.quant_method:20s} {fmt.summary}{kernels(fmt)}")
     for ct in compressed_tensors_formats().values():
-        print(f"    compressed-tensors {ct.name}: {ct.summary}")
+        print(f"    compressed-tensors {ct.name}: {ct.summary}{kernels(ct)}")
     for side in side_file_formats().values():
-        print(f"  {side.file_name:20s} {side.name}: {side.summary}")
+        print(f"  {side.file_name:20s} {side.name}: {side.summary}{kernels(side)}")
     print("online (--quant, applied to an unquantized checkpoint while it loads):")
     for online in online_formats().values():
-        print(f"  {online.name:20s} {online.summary}; {online.lm_head_summary or 'lm_head kept as stored'}")
+        print(f"  {online.name:20s} {online.summary}; {online.lm_head_summary or 'lm_head kept as stored'}"
+              f"{kernels(online)}")
     return 0
 
 

@@ -76,7 +76,27 @@ def test_a_format_registers_once():
     from qrt.formats.registry import online_format
 
     with pytest.raises(ValueError, match="registered twice"):
-        online_format("fp8", summary="again")(lambda names: None)
+        online_format("fp8", summary="again", computes=("qrt.fp8_linear",))(lambda names: None)
+
+
+def test_every_format_names_ops_that_kernels_compute_on_the_cpu_and_the_gpu():
+    """The format table's kernels column: each format's logical ops have kernels declared on both
+    devices (the compressed-tensors entry defers to its sub-formats)."""
+    from qrt.formats.catalog import (compressed_tensors_formats, kernels_of, online_formats, side_file_formats,
+                                     stored_formats)
+    from qrt.kernels.choices import declared
+
+    entries = [*stored_formats().values(), *compressed_tensors_formats().values(), *side_file_formats().values(),
+               *online_formats().values()]
+    for entry in entries:
+        if entry is stored_formats()["compressed-tensors"]:
+            assert entry.computes == () and kernels_of(entry.computes) == "those of its sub-format"
+            continue
+        assert entry.computes, entry
+        for device in ("cpu", "cuda"):
+            assert any(set(k.serves) & set(entry.computes) and device in k.devices for k in declared().values()), \
+                (entry, device)
+    assert kernels_of(("qrt.lut4_linear",)).startswith("CPU: `lut4_pairs_linear`, `lut4_linear`; GPU:")
 
 
 def test_a_device_without_a_kernel_for_the_format_is_named(llama_dir):

@@ -104,7 +104,8 @@ def _reads_as_awq(config: dict) -> bool:
     return "zero_point" in config or "version" in config
 
 
-@stored_format("awq", summary="AWQ 4/8-bit in AutoAWQ's GEMM layout", claims_side_file=_reads_as_awq)
+@stored_format("awq", computes=("qrt.int_linear",),
+               summary="AWQ 4/8-bit in AutoAWQ's GEMM layout", claims_side_file=_reads_as_awq)
 def awq_scheme(config: dict, source) -> QuantScheme:
     cfg = awq_config(config, source)
     # modules_to_not_convert entries match as substrings of module names.

@@ -117,7 +117,8 @@ def method_factory(cfg: BnbConfig, quantized: set[str] | None):
     return make
 
 
-@stored_format("bitsandbytes", summary="bitsandbytes 4-bit NF4/FP4 (blocks of 64, double quant) and 8-bit "
+@stored_format("bitsandbytes", computes=("qrt.lut4_linear", "qrt.int_linear"),
+               summary="bitsandbytes 4-bit NF4/FP4 (blocks of 64, double quant) and 8-bit "
                "(int8 rows), as transformers' BitsAndBytesConfig saves them")
 def bnb_scheme(config: dict, source) -> QuantScheme:
     cfg = bnb_config(config, source)

@@ -26,6 +26,8 @@ from . import fp8_online  # noqa: F401
 from . import int_online  # noqa: F401
 from . import w8a8_online  # noqa: F401
 
+from qrt.kernels.choices import declared  # noqa: E402  (every kernel module is imported by qrt.kernels)
+
 from .registry import (COMPRESSED_TENSORS, LEGACY_SIDE_FILES, ONLINE, SIDE_FILES, STORED,  # noqa: E402
                        CompressedTensorsFormat, OnlineFormat, SideFileFormat, StoredFormat)
 
@@ -51,22 +53,35 @@ def side_file_names() -> tuple[str, ...]:
     return (*side_file_formats(), *LEGACY_SIDE_FILES)
 
 
+def kernels_of(computes: tuple[str, ...]) -> str:
+    """The kernels declared for these logical ops, per device, the preferred first (each runs where
+    it accepts a layer's weights; the last is the reference or the fallback): "CPU: a, b; GPU: c"."""
+    kernels = sorted((k for k in declared().values() if set(k.serves) & set(computes)),
+                     key=lambda k: (k.preference, k.op))
+    per_device = [(label, [k.op.removeprefix("qrt.") for k in kernels if device in k.devices])
+                  for device, label in (("cpu", "CPU"), ("cuda", "GPU"))]
+    text = "; ".join(f"{label}: {', '.join(f'`{op}`' for op in ops)}" for label, ops in per_device if ops)
+    return text or "those of its sub-format"
+
+
 def formats_markdown() -> str:
     """The format list as `qrt formats --markdown` prints it and the README shows it: each kind's
     formats by name, since the registries' order is the order their modules happened to be imported."""
-    lines = ["| format | detected from | what qrt reads or makes |", "|---|---|---|"]
+    lines = ["| format | detected from | what qrt reads or makes | kernels |", "|---|---|---|---|"]
 
     def by_name(formats: dict) -> list:
         return [formats[name] for name in sorted(formats)]
 
     for fmt in by_name(stored_formats()):
-        lines.append(f"| `{fmt.quant_method}` | {fmt.detected_from} | {fmt.summary} |")
+        lines.append(f"| `{fmt.quant_method}` | {fmt.detected_from} | {fmt.summary} | {kernels_of(fmt.computes)} |")
     for ct in by_name(compressed_tensors_formats()):
-        lines.append(f"| compressed-tensors `{ct.name}` | its config group | {ct.summary} |")
+        lines.append(f"| compressed-tensors `{ct.name}` | its config group | {ct.summary} | {kernels_of(ct.computes)} |")
     for side in by_name(side_file_formats()):
-        lines.append(f"| {side.name} | `{side.file_name}` (when config.json says nothing) | {side.summary} |")
+        lines.append(f"| {side.name} | `{side.file_name}` (when config.json says nothing) | {side.summary} | "
+                     f"{kernels_of(side.computes)} |")
     for online in by_name(online_formats()):
         lm_head = online.lm_head_summary or "lm_head kept as stored"
-        lines.append(f"| `quant=\"{online.name}\"` | asked for (unquantized checkpoint) | {online.summary}; {lm_head} |")
+        lines.append(f"| `quant=\"{online.name}\"` | asked for (unquantized checkpoint) | {online.summary}; {lm_head} | "
+                     f"{kernels_of(online.computes)} |")
     return "\n".join(lines)
 

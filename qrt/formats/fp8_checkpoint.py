@@ -192,7 +192,8 @@ def _fp8_scheme(layout: Fp8Storage, family: str, skip, kv_cache_fp8=None) -> Qua
     return QuantScheme("fp8", lambda names: Fp8CheckpointLinearMethod(layout, family), skip, description, kv_cache_fp8)
 
 
-@stored_format("fp8", summary="FP8 e4m3 (HF/vLLM fp8: AutoFP8 per-tensor static or dynamic, DeepSeek-style "
+@stored_format("fp8", computes=("qrt.fp8_linear", "qrt.fp8_static_linear", "qrt.fp8_block_linear"),
+               summary="FP8 e4m3 (HF/vLLM fp8: AutoFP8 per-tensor static or dynamic, DeepSeek-style "
                "block scales)")
 def hf_fp8_scheme(config: dict, config_path) -> QuantScheme:
     activation = config.get("activation_scheme", "dynamic")
@@ -234,7 +235,7 @@ def _modelopt(algo, kv_algo, skip, source) -> QuantScheme:
     return _fp8_scheme(_MODELOPT_FP8[algo], "ModelOpt", skip, kv)
 
 
-@side_file("hf_quant_config.json", name="ModelOpt FP8",
+@side_file("hf_quant_config.json", computes=("qrt.fp8_linear", "qrt.fp8_static_linear"), name="ModelOpt FP8",
            summary="ModelOpt FP8 per-tensor static or per-channel dynamic, optional FP8 KV cache")
 def modelopt_side_file_scheme(path: Path) -> QuantScheme | None:
     side = read_json(path)
@@ -244,7 +245,8 @@ def modelopt_side_file_scheme(path: Path) -> QuantScheme | None:
     return _modelopt(q.get("quant_algo"), q.get("kv_cache_quant_algo"), q.get("exclude_modules") or (), path)
 
 
-@stored_format("modelopt", summary="ModelOpt FP8 per-tensor static or per-channel dynamic, optional FP8 KV cache")
+@stored_format("modelopt", computes=("qrt.fp8_linear", "qrt.fp8_static_linear"),
+               summary="ModelOpt FP8 per-tensor static or per-channel dynamic, optional FP8 KV cache")
 def modelopt_scheme(config: dict, config_path) -> QuantScheme:
     kv = config.get("kv_cache_scheme")
     kv_algo = "FP8" if isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8 else kv
@@ -263,7 +265,9 @@ def _ct_activation(inputs: dict, config_path) -> str:
                            f"supported: dynamic token, static tensor, dynamic group")
 
 
-@compressed_tensors_format("float-quantized", summary="FP8 weights per tensor, channel or block with FP8 "
+@compressed_tensors_format("float-quantized",
+                           computes=("qrt.fp8_linear", "qrt.fp8_static_linear", "qrt.fp8_block_linear"),
+                           summary="FP8 weights per tensor, channel or block with FP8 "
                            "activations (dynamic per token or group, static per tensor), optional FP8 KV cache",
                            matches=lambda group: group.weights.get("type") == "float"
                            and group.weights.get("num_bits", 8) == 8)  # 4-bit floats: nvfp4.py

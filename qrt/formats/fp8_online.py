@@ -77,6 +77,7 @@ class Fp8OnlineLinearMethod(LinearMethod):
 # default model (57 of 164 MB), its GEMV 2.2 ms of a 12 ms step. fp8 per channel, like the layers,
 # cost 4 points of top-1 agreement with bf16 there (0.932 -> 0.891 in one run of
 # `python -m bench.agreement --quant fp8`), int8 none (0.938).
-@online_format("fp8", summary="e4m3 weights per channel, activations per token", **INT8_LM_HEAD)
+@online_format("fp8", computes=("qrt.fp8_linear",),
+               summary="e4m3 weights per channel, activations per token", **INT8_LM_HEAD)
 def fp8_online_method(module_names) -> Fp8OnlineLinearMethod:
     return Fp8OnlineLinearMethod(module_names=module_names)

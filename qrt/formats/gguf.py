@@ -172,7 +172,8 @@ class GgufLinearMethod(LinearMethod):
         return self.layout.linear(layer, x, self.bits, self.group_size)
 
 
-@stored_format("gguf", summary="llama.cpp GGUF run as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K at their own "
+@stored_format("gguf", computes=("qrt.superblock_linear", "qrt.int_linear", "aten.linear"),
+               summary="llama.cpp GGUF run as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K at their own "
                                "width on the CPU, Q8_0 (and every kept type on GPUs) decoded exactly for qrt's integer "
                                "kernels, other types dequantized (`quant=\"none\"`: all dequantized)",
                detected_from="a `.gguf` file loaded with `quant=None`")

@@ -161,7 +161,8 @@ def _reads_as_gptq(config: dict) -> bool:
     return "zero_point" not in config and "version" not in config
 
 
-@stored_format("gptq", summary="GPTQ 2/4/8-bit (AutoGPTQ, GPTQModel, optimum): groups or channels, act-order, "
+@stored_format("gptq", computes=("qrt.int_linear",),
+               summary="GPTQ 2/4/8-bit (AutoGPTQ, GPTQModel, optimum): groups or channels, act-order, "
                "v1/v2 zero points, GPTQModel dynamic rules", claims_side_file=_reads_as_gptq)
 def gptq_scheme(config: dict, source) -> QuantScheme:
     base = gptq_config(config, source)

@@ -153,17 +153,20 @@ def _int8_lm_head() -> OnlineIntLinearMethod:
 INT8_LM_HEAD = dict(lm_head=_int8_lm_head, lm_head_summary="lm_head int8 per channel")
 
 
-@online_format("int4", summary="4-bit weights, asymmetric groups of 32, bf16 activations", **INT8_LM_HEAD)
+@online_format("int4", computes=("qrt.int_linear",),
+               summary="4-bit weights, asymmetric groups of 32, bf16 activations", **INT8_LM_HEAD)
 def int4_online_method(module_names) -> OnlineIntLinearMethod:
     return OnlineIntLinearMethod(4, max_group=32, module_names=module_names)
 
 
-@online_format("int4-g128", summary="4-bit weights, asymmetric groups of 128 (64 or 32 where 128 does not divide K), "
+@online_format("int4-g128", computes=("qrt.int_linear",),
+               summary="4-bit weights, asymmetric groups of 128 (64 or 32 where 128 does not divide K), "
                "bf16 activations", **INT8_LM_HEAD)
 def int4_g128_online_method(module_names) -> OnlineIntLinearMethod:
     return OnlineIntLinearMethod(4, max_group=128, module_names=module_names)
 
 
-@online_format("int8", summary="8-bit weights per channel, bf16 activations", **INT8_LM_HEAD)
+@online_format("int8", computes=("qrt.int_linear",),
+               summary="8-bit weights per channel, bf16 activations", **INT8_LM_HEAD)
 def int8_online_method(module_names) -> OnlineIntLinearMethod:
     return OnlineIntLinearMethod(8, module_names=module_names)

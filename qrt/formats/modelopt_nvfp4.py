@@ -18,7 +18,8 @@ _TENSORS = Nvfp4Tensors("ModelOpt", "weight", "weight_scale", "weight_scale_2", 
                         input_global="input_scale", input_global_inverted=True)
 
 
-@stored_format("modelopt-nvfp4", summary="ModelOpt NVFP4: FP4 E2M1 weights, an E4M3 scale per 16 input channels "
+@stored_format("modelopt-nvfp4", computes=("qrt.lut4_linear",),
+               summary="ModelOpt NVFP4: FP4 E2M1 weights, an E4M3 scale per 16 input channels "
                "times an fp32 weight_scale_2, FP4 activations per group of 16 under a static input_scale; optional "
                "FP8 KV cache",
                detected_from="ModelOpt `quant_algo: \"NVFP4\"` (config.json's `quantization_config` or "

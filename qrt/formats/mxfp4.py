@@ -81,7 +81,8 @@ def not_converted_patterns(names, source) -> list[str]:
     return patterns
 
 
-@stored_format("mxfp4", summary="MXFP4 (FP4 E2M1 codes, an E8M0 scale per 32 input channels; gpt-oss's experts)")
+@stored_format("mxfp4", computes=("qrt.lut4_linear",),
+               summary="MXFP4 (FP4 E2M1 codes, an E8M0 scale per 32 input channels; gpt-oss's experts)")
 def mxfp4_scheme(config: dict, source) -> QuantScheme:
     skip = not_converted_patterns(config.get("modules_to_not_convert") or [], source)
     return QuantScheme("mxfp4", lambda names: Mxfp4LinearMethod(module_names=names), skip, "MXFP4 (e8m0 scales per 32)")

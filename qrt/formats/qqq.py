@@ -207,7 +207,8 @@ def qqq_config(config: dict, source) -> QqqConfig:
     return QqqConfig(group, str(source))
 
 
-@stored_format("qqq", summary="QQQ W4A8: 4-bit weights in QQQ's Marlin layout, int8 per-token activations")
+@stored_format("qqq", computes=("qrt.w4a8_linear",),
+               summary="QQQ W4A8: 4-bit weights in QQQ's Marlin layout, int8 per-token activations")
 def qqq_scheme(config: dict, source) -> QuantScheme:
     cfg = qqq_config(config, source)
     return QuantScheme("qqq", lambda names: QqqLinearMethod(cfg, names), (), cfg.describe())

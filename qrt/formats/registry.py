@@ -10,6 +10,9 @@ A format module registers, next to its LinearMethod:
   config group it matches;
 - `@online_format(name, ...)`: a `quant=` value applied to an unquantized checkpoint.
 
+Each names the logical ops its layers compute (`computes`, e.g. "qrt.lut4_linear"): the format
+table lists the kernels declared for them on each device (kernels/choices.py).
+
 This module imports no format: catalog.py imports every format module and reads the registries
 it filled, so every list (the CLI's help, errors' "supported: ..." lists, `qrt formats`, the
 contract test) is the registry's.
@@ -28,6 +31,7 @@ class StoredFormat:
     # which may not say their quant_method: does this config look like one of this format's?
     claims_side_file: Callable | None = None
     detected_from: str = "`quantization_config.quant_method`"  # for the format table
+    computes: tuple[str, ...] = ()  # the logical ops its layers call
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class SideFileFormat:
     name: str  # the producer and format, e.g. "ModelOpt FP8"
     read: Callable  # (path) -> QuantScheme, or None when the file is not this format's
     summary: str
+    computes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class CompressedTensorsFormat:
     matches: Callable  # (CompressedTensorsGroup) -> bool; at most one sub-format matches a group
     read: Callable  # (CompressedTensorsGroup, skip patterns, source) -> QuantScheme
     summary: str
+    computes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class OnlineFormat:
     # lm_head's own method, or None: lm_head stays as stored (so do the embeddings, always)
     make_lm_head_method: Callable | None = None
     lm_head_summary: str = ""
+    computes: tuple[str, ...] = ()
 
 
 # Side files older GPTQ and AWQ exports carry instead of a quantization_config in config.json; the
@@ -82,30 +89,32 @@ def _add(table: dict, key: str, entry) -> None:
     table[key] = entry
 
 
-def stored_format(quant_method: str, *, summary: str, claims_side_file: Callable | None = None,
-                  detected_from: str = StoredFormat.detected_from):
+def stored_format(quant_method: str, *, summary: str, computes: tuple[str, ...],
+                  claims_side_file: Callable | None = None, detected_from: str = StoredFormat.detected_from):
     def register(read):
-        _add(STORED, quant_method, StoredFormat(quant_method, read, summary, claims_side_file, detected_from))
+        _add(STORED, quant_method, StoredFormat(quant_method, read, summary, claims_side_file, detected_from,
+                                                computes))
         return read
     return register
 
 
-def side_file(file_name: str, *, name: str, summary: str):
+def side_file(file_name: str, *, name: str, summary: str, computes: tuple[str, ...]):
     def register(read):
-        _add(SIDE_FILES, file_name, SideFileFormat(file_name, name, read, summary))
+        _add(SIDE_FILES, file_name, SideFileFormat(file_name, name, read, summary, computes))
         return read
     return register
 
 
-def compressed_tensors_format(name: str, *, summary: str, matches: Callable):
+def compressed_tensors_format(name: str, *, summary: str, matches: Callable, computes: tuple[str, ...]):
     def register(read):
-        _add(COMPRESSED_TENSORS, name, CompressedTensorsFormat(name, matches, read, summary))
+        _add(COMPRESSED_TENSORS, name, CompressedTensorsFormat(name, matches, read, summary, computes))
         return read
     return register
 
 
-def online_format(name: str, *, summary: str, lm_head: Callable | None = None, lm_head_summary: str = ""):
+def online_format(name: str, *, summary: str, computes: tuple[str, ...], lm_head: Callable | None = None,
+                  lm_head_summary: str = ""):
     def register(make_method):
-        _add(ONLINE, name, OnlineFormat(name, make_method, summary, lm_head, lm_head_summary))
+        _add(ONLINE, name, OnlineFormat(name, make_method, summary, lm_head, lm_head_summary, computes))
         return make_method
     return register

@@ -65,6 +65,6 @@ class W8A8OnlineLinearMethod(LinearMethod):
         return self.layout.linear(layer, x)
 
 
-@online_format("w8a8", summary="int8 weights per channel, int8 activations per token")
+@online_format("w8a8", computes=("qrt.int8_linear",), summary="int8 weights per channel, int8 activations per token")
 def w8a8_online_method(module_names) -> W8A8OnlineLinearMethod:
     return W8A8OnlineLinearMethod(module_names=module_names)

@@ -15,7 +15,7 @@ from qrt.formats.scheme import QuantScheme
 from qrt.formats.registry import COMPRESSED_TENSORS, CompressedTensorsGroup, stored_format
 
 
-@stored_format("compressed-tensors", summary="compressed-tensors (llm-compressor): one config group of a "
+@stored_format("compressed-tensors", computes=(), summary="compressed-tensors (llm-compressor): one config group of a "
                "registered sub-format, targets and ignore list")
 def compressed_tensors_scheme(config: dict, config_path) -> QuantScheme:
     groups = config.get("config_groups") or {}

@@ -199,7 +199,8 @@ def ct_w8a8_config(fmt: str, weights: dict, inputs: dict, source) -> CtW8A8Confi
     return CtW8A8Config(strategy, activation, bool(inputs.get("symmetric", True)), str(source))
 
 
-@compressed_tensors_format("int W8A8", summary="int8 weights per channel or tensor, int8 activations dynamic per "
+@compressed_tensors_format("int W8A8", computes=("qrt.int8_linear",),
+                           summary="int8 weights per channel or tensor, int8 activations dynamic per "
                            "token or static per tensor, symmetric or asymmetric",
                            matches=lambda g: g.fmt != "marlin-24" and g.weights.get("type") == "int"
                            and g.inputs is not None)

@@ -170,7 +170,8 @@ def ct_int_config(fmt: str, weights: dict, source) -> CtIntConfig:
 _WEIGHT_ONLY_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
 
 
-@compressed_tensors_format("int weight-only", summary="W4A16/W8A16: pack-quantized, naive-quantized or "
+@compressed_tensors_format("int weight-only", computes=("qrt.int_linear",),
+                           summary="W4A16/W8A16: pack-quantized, naive-quantized or "
                            "int-quantized int weights per channel or group, act-order, symmetric or asymmetric",
                            matches=lambda g: g.fmt != "marlin-24" and g.weights.get("type") == "int"
                            and g.inputs is None)

@@ -241,7 +241,8 @@ def ct_marlin24_config(weights: dict, inputs, source) -> CtMarlin24Config:
 
 
 # 2:4 sparsity lives in the weight layout; the config's sparsity_config says "dense".
-@compressed_tensors_format("marlin-24", summary="2:4-sparse 4-bit weights in the marlin-24 layout, groups of 128 "
+@compressed_tensors_format("marlin-24", computes=("qrt.int_linear",),
+                           summary="2:4-sparse 4-bit weights in the marlin-24 layout, groups of 128 "
                            "or channels", matches=lambda group: group.fmt == "marlin-24")
 def ct_marlin24_scheme(group: CompressedTensorsGroup, skip, source) -> QuantScheme:
     cfg = ct_marlin24_config(group.weights, group.inputs, source)

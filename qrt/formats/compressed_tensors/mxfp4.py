@@ -64,7 +64,8 @@ def _check_weights(args: dict, source) -> None:
                                f"supported: {wanted}")
 
 
-@compressed_tensors_format(FORMAT, summary="MXFP4A16: FP4 E2M1 weights, an E8M0 scale per 32 input channels; "
+@compressed_tensors_format(FORMAT, computes=("qrt.lut4_linear",),
+                           summary="MXFP4A16: FP4 E2M1 weights, an E8M0 scale per 32 input channels; "
                            "activations unquantized",
                            matches=lambda g: g.fmt == FORMAT)
 def ct_mxfp4_scheme(group: CompressedTensorsGroup, skip, source) -> QuantScheme:

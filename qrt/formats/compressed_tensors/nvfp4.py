@@ -173,7 +173,8 @@ def _check_fp4_args(args: dict, what: str, source) -> None:
                                f"{scale_dtype!r}; supported: float8_e4m3fn")
 
 
-@compressed_tensors_format("nvfp4-pack-quantized", summary="NVFP4: FP4 E2M1 weights, an E4M3 scale per 16 input "
+@compressed_tensors_format("nvfp4-pack-quantized", computes=("qrt.lut4_linear",),
+                           summary="NVFP4: FP4 E2M1 weights, an E4M3 scale per 16 input "
                            "channels over an fp32 global scale; activations unquantized (NVFP4A16) or FP4 per group "
                            "of 16 under a static global scale (NVFP4)",
                            matches=lambda g: g.fmt == "nvfp4-pack-quantized" and g.weights.get("type") == "float"
