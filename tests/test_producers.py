@@ -379,8 +379,9 @@ def test_float32_at_tp2_matches_the_producers_reference(name, mode, sharded_in_t
 # scales whole on every rank.
 SPLIT_IN_FOUR = {"gptqmodel-w4g128-actorder", "llmc-fp8-static", "llmc-fp8-dynamic", "llmc-w8a8-int8",
                  "llmc-fp8-dynamic-moe", "modelopt-fp8", "modelopt-fp8-kv",
-                 # NVFP4's groups of 16: a rank's 64 or 192 input features are whole groups.
-                 *(name for name in VARIANTS if "nvfp4" in name),
+                 # NVFP4's groups of 16 and MXFP4's blocks of 32: a rank's 64 or 192 input features are
+                 # whole groups.
+                 *(name for name in VARIANTS if "nvfp4" in name or "mxfp4" in name),
                  # bitsandbytes' blocks of 64 (and its int8 rows): 64 and 192 features are whole blocks.
                  *(name for name in VARIANTS if name.startswith("bnb-"))}
 
