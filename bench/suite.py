@@ -95,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "by qrt as stored beside the --quant rows")
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="GGUF files: run llama.cpp and qrt this many times each, alternating, each run a "
-                             "fresh process; the ratio is the median of each round's")
+                             "fresh process; the ratio is the median of each round's. --stored folders: the same, "
+                             "against the last --quant row")
     parser.add_argument("--runs", type=positive_int, default=3)
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="decode steps timed (N)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=512)
@@ -347,6 +348,7 @@ def print_report(rows: list[dict], batches: list[int], skipped: list[dict]) -> N
         _fmt_share(row["roofline_fraction"][bn]),
     ) for row in rows])
     print_same_file_ratios(rows, b1)
+    print_stored_ratios(rows, b1)
     for row in rows:
         for note in row["notes"]:
             print(f"note: {row['label']}: {note}")
@@ -420,7 +422,10 @@ def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
     rows, skipped = [], []
     if "qrt" in args.engines:
         rows += [runner.qrt(name) for name in args.quant]
-        rows += [runner.qrt_stored(name, folder) for name, folder in args.stored.items()]
+        stored = [runner.qrt_stored(name, folder) for name, folder in args.stored.items()]
+        rows += stored
+        if stored and args.quant:
+            alternate_stored_rounds(runner, args, rows[len(rows) - len(stored) - 1], stored)
     if "transformers" in args.engines:
         rows.append(runner.transformers(compiled=False))
     if "transformers-compile" in args.engines:
@@ -451,6 +456,42 @@ def run_engines(runner: Runner, args, ggufs) -> tuple[list[dict], list[dict]]:
                         row["round_decode_tok_s"].append(_median(again(gguf)["decode_tok_s"]["1"]))
                 rows += [theirs, ours]
     return rows, skipped
+
+
+def alternate_stored_rounds(runner: Runner, args, baseline: dict, stored: list[dict]) -> None:
+    """--rounds R: R - 1 more batch-1 processes of the last --quant row and of each --stored row,
+    in turn, so that each stored format's decode is compared with the baseline's of the same round
+    (this machine's speed drifts between processes minutes apart)."""
+    for row in (baseline, *stored):
+        row["round_decode_tok_s"] = [_median(row["decode_tok_s"]["1"])]
+    quant, folders = baseline["format"], dict(args.stored)
+    for _ in range(args.rounds - 1):
+        again = runner.job("qrt", baseline["label"], 1, qrt_cache=runner.work / f"qrt-cache-{quant}-None",
+                           quant=QUANTS[quant])
+        baseline["round_decode_tok_s"].append(_median(again.get("decode_tok_s")))
+        for row in stored:
+            name = row["format"].removeprefix("stored ")
+            again = runner.job("qrt", row["label"], 1, qrt_cache=runner.work / f"qrt-cache-stored-{name}", quant=None,
+                               path=str(folders[name]))
+            row["round_decode_tok_s"].append(_median(again.get("decode_tok_s")))
+    for row in stored:
+        row["vs_baseline_rounds"] = [a / b if a and b else None
+                                     for a, b in zip(row["round_decode_tok_s"], baseline["round_decode_tok_s"])]
+        row["baseline"] = baseline["label"]
+
+
+def print_stored_ratios(rows: list[dict], batch: str) -> None:
+    """Each --stored format's decode over the baseline's, round by round."""
+    stored = [row for row in rows if "vs_baseline_rounds" in row]
+    if not stored:
+        return
+    rounds = len(stored[0]["vs_baseline_rounds"])
+    print(f"\nproducers' copies against {stored[0]['baseline']} (decode b{batch}; {rounds} round(s) of one process "
+          f"each, alternating: medians over the rounds, the ratio the median of each round's, [min–max])")
+    baseline = next(row for row in rows if row["label"] == stored[0]["baseline"])
+    print_table(("engine", "tok/s", f"{baseline['label']} tok/s", "ratio"), [(
+        row["label"], _fmt_rounds(row["round_decode_tok_s"]), _fmt_rounds(baseline["round_decode_tok_s"]),
+        _fmt_rounds(row["vs_baseline_rounds"], ratio=True)) for row in stored])
 
 
 def main(argv=None) -> int:
