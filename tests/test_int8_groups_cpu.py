@@ -232,6 +232,7 @@ def test_a_gptq_8bit_grouped_checkpoint_matches_its_dequantized_model(gptq_8bit_
         assert relative_l2(eager(ids), reference(ids).logits) < 1e-5
 
 
+@pytest.mark.slow  # about 12 s of compiling; the kernel itself is checked by default above
 def test_a_gptq_8bit_grouped_checkpoint_compiles_onto_it(gptq_8bit_g32, compiled):
     """In bf16 the kernel runs: the compiled model matches the eager one and decodes without
     recompiles."""

@@ -167,6 +167,7 @@ def test_a_gguf_of_mixed_types_runs_every_layer_at_its_own_width(mixed_gguf):
     assert relative_l2(stored(ids).float(), dense(ids)) < 0.02  # bf16 activations
 
 
+@pytest.mark.slow  # about 20 s; the kernel's op compiles in the default run through the contract's cases
 def test_compiled_it_runs_the_kernel_without_recompiling(mixed_gguf):
     dense = runtime.compile_model(mixed_gguf, "none", compile=False, progress=False, dtype="float32")
     compiled = runtime.compile_model(mixed_gguf, progress=False, max_seq_len=64, cache=False)

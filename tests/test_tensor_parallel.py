@@ -122,6 +122,9 @@ ACTIVATIONS_ROUNDED_AT_RUN_TIME = {"stored:fp8": 0.08, "online:fp8": 0.08, "onli
                                    "compressed-tensors:float-quantized": 1e-2}
 
 
+# The tests that read the one two-rank torchrun of every format case, architecture and GPTQ layout
+# (the `sharded` fixture, about 30 s) run in `make test-slow`, to keep the quick loop in its budget.
+@pytest.mark.slow
 def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_folders, sharded):
     failures = []
     for name, folder in format_folders.items():
@@ -202,6 +205,7 @@ def sharded(format_folders, arch_folders, gptq_in_order_folders, llama_172mb, tm
     return run_sharded(jobs, tmp_path_factory.mktemp("tp-run"))
 
 
+@pytest.mark.slow
 def test_architectures_shard_kv_heads_split_replicated_and_fused_on_disk(arch_folders, sharded):
     for name, folder in arch_folders.items():
         logits, tokens = single_rank(folder)
@@ -221,6 +225,7 @@ def test_architectures_shard_kv_heads_split_replicated_and_fused_on_disk(arch_fo
     assert [s["model.layers.0.mlp.gate.weight"] for s in shapes] == [[6, 64]] * 2
 
 
+@pytest.mark.slow
 def test_gptq_without_act_order_shards_its_group_indices(gptq_in_order_folders, sharded):
     # Each rank holds the groups of its own input channels and numbers them from 0; the stored
     # g_idx numbers them from the layer's first group. Loaded one after another in one process.
@@ -231,6 +236,7 @@ def test_gptq_without_act_order_shards_its_group_indices(gptq_in_order_folders, 
         assert got["tokens"] == tokens, name
 
 
+@pytest.mark.slow
 def test_compiled_sharded_model_keeps_one_graph_per_role_on_every_rank(format_folders, sharded):
     _, tokens = single_rank(format_folders["online:int4"], "int4", prompt=ONE_TOKEN)
     got = sharded[COMPILED]

@@ -19,7 +19,8 @@ from .lut4_reference import LUT4_CODES, SCALE_FORMATS
 from .triton_tiles import (check_launchable, flatten_rows, grouped_tile, output_tiles, store_tile, unflatten_rows,
                            wrapped_rows_cols)
 
-E4M3, E8M0 = SCALE_FORMATS["e4m3"], SCALE_FORMATS["e8m0"]
+# constexpr globals: a jitted function may read no other kind (the interpreter does not check it).
+E4M3, E8M0 = tl.constexpr(SCALE_FORMATS["e4m3"]), tl.constexpr(SCALE_FORMATS["e8m0"])
 
 
 @triton.jit

@@ -23,6 +23,8 @@ from qrt.kernels.fp8_block_triton import fp8_block_gemm_kernel  # noqa: E402
 from qrt.kernels.fp8_triton import fp8_gemm_kernel  # noqa: E402
 from qrt.kernels.int8_triton import int8_gemm_kernel  # noqa: E402
 from qrt.kernels.int_triton import gemm_tiles, int_gemm_kernel  # noqa: E402
+from qrt.kernels.lut4_reference import SCALE_FORMATS  # noqa: E402
+from qrt.kernels.lut4_triton import lut4_gemm_kernel  # noqa: E402
 from qrt.kernels.triton_tiles import gemm_config  # noqa: E402
 from qrt.kernels.w4a8_triton import w4a8_gemm_kernel, w4a8_tiles  # noqa: E402
 
@@ -53,6 +55,11 @@ def main() -> None:
             cases.append((f"int_gemm_kernel x {x}, M={m}", int_gemm_kernel,
                           {"x_ptr": f"*{x}", "qw_ptr": "*i32", "out_ptr": "*fp32", **scales},
                           {"BITS": 4, "FP32_DOT": x == "fp32"}, gemm_tiles(m, N, K, fp32=x == "fp32")))
+            cases.append((f"lut4_gemm_kernel x {x}, M={m}", lut4_gemm_kernel,
+                          {"x_ptr": f"*{x}", "codes_ptr": "*u8", "s_ptr": "*u8", "table_ptr": "*fp32",
+                           "global_ptr": "*fp32", "out_ptr": "*fp32"},
+                          {"SCALE_FORMAT": SCALE_FORMATS["e4m3"], "HAS_GLOBAL": True, "GLOBAL_DIVIDES": True, "FP32_DOT": x == "fp32"},
+                          gemm_tiles(m, N, K, fp32=x == "fp32")))
         cases.append((f"fp8_gemm_kernel M={m}", fp8_gemm_kernel, fp8, {"HAS_BIAS": True}, gemm_config(m)))
         cases.append((f"fp8_block_gemm_kernel M={m}", fp8_block_gemm_kernel, fp8,
                       {"HAS_BIAS": True, "SCALE_BLOCK_N": 128, "SCALE_BLOCK_K": 128}, gemm_config(m)))
@@ -74,9 +81,9 @@ def main() -> None:
         cases.append((f"decode_attention_kernel {cache} cache", decode_attention_kernel,
                       {"q_ptr": f"*{cache}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "slots_ptr": "*i64",
                        "first_ptr": "*i64", "last_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                       "out_ptr": f"*{cache}", "scale": "fp32", "softcap": "fp32"},
+                       "sinks_ptr": "*fp32", "out_ptr": f"*{cache}", "scale": "fp32", "softcap": "fp32"},
                       {"GROUP": 2, "HEAD_DIM": 256, "BLOCK_D": 256, "BLOCK_S": BLOCK_S, "FP8_CACHE": False,
-                       "SOFTCAP": True}, {"num_warps": 4, "num_stages": 3}))
+                       "SOFTCAP": True, "SINKS": True}, {"num_warps": 4, "num_stages": 3}))
     sizes = {}
     for name, kernel, pointers, constexprs, tiles in cases:
         sizes[f"{name}, {tiles}"] = shared_bytes(kernel, pointers, constexprs, tiles)
