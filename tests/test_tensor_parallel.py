@@ -403,6 +403,7 @@ def memory_job(folder) -> dict:
     return dict(job("memory", folder), ids=[[1, 2, 3]], prompt=[1, 2, 3], steps=1)
 
 
+@pytest.mark.slow  # reads the `sharded` torchrun too
 def test_each_rank_holds_its_share_of_the_weights(llama_172mb, sharded, llama_dir, tmp_path):
     """A 172 MB bf16 Llama: what loading it adds to a process's RSS (peak after loading minus RSS
     before) is at least 40% of the weights smaller on each rank at tp=2 than in one process at
