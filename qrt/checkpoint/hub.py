@@ -52,6 +52,21 @@ def locate(name, revision: str | None = None, progress: bool = True, side_files:
         raise CheckpointError(str(name), None, _advice(repo, revision, err)) from err
 
 
+def locate_adapter(name, revision: str | None = None, progress: bool = True) -> Path:
+    """The local folder of LoRA adapter `name`: itself where it is a local path, else the hub
+    id's adapter files (adapter_config.json and adapter_model.safetensors) in the cache."""
+    if not is_hub_id(name):
+        return Path(name)
+    repo = _HUB_ID.match(str(name))["repo"]
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo, allow_patterns=["adapter_config.json", "adapter_model.safetensors"],
+                                      **_options(revision, progress)))
+    except Exception as err:  # noqa: BLE001  (huggingface_hub's errors, each turned into what to do)
+        raise CheckpointError(str(name), None, _advice(repo, revision, err)) from err
+
+
 def _options(revision: str | None, progress: bool) -> dict:
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 

@@ -234,6 +234,9 @@ class Linear(nn.Module):
         self.quant_method = method
         self.gather_output = gather_output and parallel.sharded
         self.register_parameter("bias", None)
+        # The resident LoRA adapters' pairs (lora.py), attached after loading where a model serves
+        # adapters; None otherwise, and then forward is the base's alone.
+        self.lora = None
         if bias:
             load_bias = partial(copy_rows, layout=self.shard_layout)
             if self.splits_input and parallel.rank != 0:
@@ -264,6 +267,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
+        if self.lora is not None:  # before the all-reduce: a row-parallel delta is a partial sum too
+            y = y + self.lora(x)
         if self.splits_input:
             y = all_reduce(y, self.parallel)
         if self.gather_output:

@@ -21,6 +21,8 @@ from .graph_runner import GraphRunner
 from .huge_pages import place_weights_in_huge_pages
 from .isa_probe import remember_isa_probes
 from .logprobs import check_top
+from .lora import (DEFAULT_MAX_LORA_RANK, LoraSet, UnknownAdapter, check_unsupported_build, lora_adapters,
+                   targets_of)
 from .malloc import map_large_allocations
 from .mtp_graphs import PredictionGraphs
 from .pooling import Pooling, choose_pooling
@@ -57,6 +59,10 @@ def compile_model(
     revision: str | None = None,
     lazy_prefill: int = 0,
     pooling: str | Pooling | None = None,
+    lora: dict | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+    lora_targets=None,
 ) -> "CompiledModel":
     """Load a Hugging Face checkpoint, quantize or repack it, and compile it.
 
@@ -95,6 +101,14 @@ def compile_model(
     model. An embedding model is built without its lm_head (its checkpoint may have none, as a
     base model saved as `Qwen3Model` has not) and compiles only its encode graphs (a batch, and
     a lone text): it embeds, it does not generate.
+    lora: LoRA adapters to serve beside the model, {name: folder or hub id} of PEFT adapters
+    (runtime/lora.py); a request picks one by name (`generate(..., lora=name)`), rows with
+    different adapters share a step, and adapters load and unload later (`load_lora`,
+    `unload_lora`) without recompiling. max_loras: adapters resident at once (default: as many as
+    `lora` names, at least 1; a model with no adapters yet gets slots with max_loras=N).
+    max_lora_rank: the largest rank an adapter may have. lora_targets: the module names
+    (transformers', e.g. ["q_proj", "v_proj"], or "all-linear") that hold adapter slots; default:
+    those the given adapters adapt, else the attention and MLP projections.
     """
     build = build or os.environ.get("QRT_BUILD") or "regional"
     if build not in BUILDS:
@@ -133,6 +147,17 @@ def compile_model(
     limit = model.config.max_position_embeddings
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, limit)
     model.allocate_caches(max_batch_size, max_seq_len, kv_cache=pooling is None)
+    adapters = lora_adapters(lora, progress)
+    lora_set = None
+    if adapters or max_loras:
+        if pooling is not None:
+            raise ValueError("an embedding model takes no LoRA adapters")
+        if compile:
+            check_unsupported_build(build)
+        lora_set = LoraSet.attach(model, max_loras or max(len(adapters), 1), max_lora_rank,
+                                  lora_targets or targets_of(adapters.values(), model))
+        for name, (folder, adapter) in adapters.items():
+            lora_set.load(name, folder, adapter=adapter)
     tokenizer = checkpoint.load_tokenizer()
     compile_cache = None
     if compile and cache and build == "regional":
@@ -148,6 +173,8 @@ def compile_model(
             **({"prediction_layer": True} if mtp else {}),
             # An embedding model has no lm_head, and its graphs are the encode ones.
             **({"embedding": True} if pooling is not None else {}),
+            # Adapter slots are buffers the graphs read (their contents are not part of the key).
+            **({"lora": lora_set.describe()} if lora_set is not None else {}),
         })
         compile_cache = CompileCache(key, parts)
         use_qrt_inductor_dir()
@@ -155,6 +182,7 @@ def compile_model(
                              compile=compile, build=build, autotune=autotune, progress=progress,
                              source=Path(path), compile_cache=compile_cache, speculative=speculative,
                              lazy_prefill=lazy_prefill, pooling=pooling)
+    compiled.lora = lora_set
     if speculative is not None and speculative.method == "draft":
         if parallel.sharded:
             raise ValueError("speculative method 'draft' does not run under tensor parallelism yet; use 'ngram'")
@@ -219,6 +247,11 @@ class CompiledModel(GraphRunner):
         if input_ids.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
         input_ids = input_ids.to(self.device)
+        if self.lora is not None:  # the full-sequence forward runs the base alone
+            if input_ids.shape[0] > len(self.lora.rows):
+                raise ValueError(f"a model with LoRA slots runs at most max_batch_size={len(self.lora.rows)} rows "
+                                 f"in one call, got {input_ids.shape[0]}")
+            self.lora.route("forward", {})
         if input_ids.shape[1] >= 2:  # one graph for every length (Dynamo specializes length 1)
             torch._dynamo.mark_dynamic(input_ids, 1, min=2, max=self.max_seq_len)
         return self._run("forward", input_ids)
@@ -250,19 +283,21 @@ class CompiledModel(GraphRunner):
 
     def generate(self, prompt, max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 chat: bool = False, stop_at_eos: bool = True, stop: list[str] | tuple[str, ...] = (), stream=None):
+                 chat: bool = False, stop_at_eos: bool = True, stop: list[str] | tuple[str, ...] = (), stream=None,
+                 lora: str | None = None):
         """str in -> str out (the new text); token ids (list or 1-D tensor) in -> new ids out.
 
         chat=True wraps a str prompt in the tokenizer's chat template as one user turn.
         stop: strings that end the output where they first appear (not included in the text).
         stream: optional callable receiving each new token id as it is produced.
+        lora: the name of a loaded LoRA adapter to run with (None: the base model).
         One request through the same engine the server batches requests with.
         """
         text_in = isinstance(prompt, str)
         ids = self.encode(prompt, chat) if text_in else prompt
         ids = self._check_ids(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), allow_batch=False)
         request = self.request(ids[0].tolist(), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                               stop_at_eos=stop_at_eos, stop_strings=tuple(stop), text=text_in)
+                               stop_at_eos=stop_at_eos, stop_strings=tuple(stop), text=text_in, lora=lora)
 
         def listener(update):
             if stream is not None and update.token is not None:
@@ -274,9 +309,10 @@ class CompiledModel(GraphRunner):
 
     def generate_batch(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                       stop_at_eos: bool = True, stream=None) -> list[list[int]]:
+                       stop_at_eos: bool = True, stream=None, lora=None) -> list[list[int]]:
         """Continue several token-id prompts (of any lengths) together, batched by the engine.
         Returns each prompt's new ids (a row stops at its EOS).
+        lora: one LoRA adapter's name for every prompt, or a list of one per prompt (None: the base).
 
         At most `max_batch_size` prompts run at once (compile_model's argument: the KV cache
         holds that many sequences); more wait for a free slot.
@@ -284,10 +320,14 @@ class CompiledModel(GraphRunner):
         params = SamplingParams(temperature, top_k, top_p, seed)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("generate_batch takes a non-empty list of token-id lists")
+        adapters = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"lora= lists {len(adapters)} adapters for {len(prompts)} prompts")
         requests = []
-        for prompt in prompts:
+        for prompt, adapter in zip(prompts, adapters):
             ids = self._check_ids(torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1), allow_batch=False)
-            requests.append(self.request(ids[0].tolist(), max_new_tokens, params, stop_at_eos=stop_at_eos))
+            requests.append(self.request(ids[0].tolist(), max_new_tokens, params, stop_at_eos=stop_at_eos,
+                                         lora=adapter))
 
         def listener(row: int):
             def on_update(update):
@@ -301,13 +341,15 @@ class CompiledModel(GraphRunner):
 
     def request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, *, stop_at_eos: bool = True,
                 stop_ids=(), stop_strings: tuple[str, ...] = (), text: bool = False, logprobs: int | None = None,
-                prompt_logprobs: int | None = None, grammar: str | None = None) -> Request:
+                prompt_logprobs: int | None = None, grammar: str | None = None, lora: str | None = None) -> Request:
         """An engine Request, checked against this model: ids in the vocabulary, prompt +
         max_tokens within the KV cache, stop strings needing a tokenizer. logprobs /
         prompt_logprobs: score the new tokens / the prompt's, with that many alternatives
         (None: off); only a request that scores its prompt may generate nothing (max_tokens 0).
-        grammar: structured output (structured.py), checked here."""
+        grammar: structured output (structured.py), checked here. lora: a loaded adapter's name."""
         self._check_generates()
+        if lora is not None:
+            self.check_lora(lora)
         check_top(logprobs, "logprobs")
         check_top(prompt_logprobs, "prompt_logprobs")
         least = 0 if prompt_logprobs is not None else 1
@@ -328,7 +370,32 @@ class CompiledModel(GraphRunner):
         if grammar is not None:
             structured.check(grammar)
         return Request(tuple(prompt_ids), max_tokens, sampling, stops, tuple(stop_strings), text, logprobs,
-                       prompt_logprobs, grammar)
+                       prompt_logprobs, grammar, lora)
+
+    # ---- LoRA adapters (lora.py) -------------------------------------------------------------------
+    def check_lora(self, name: str) -> None:
+        """Raise lora.UnknownAdapter (or a ValueError without LoRA slots) unless `name` is loaded."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r} asked of a model compiled without LoRA slots; pass "
+                             f"lora={{name: path}} or max_loras=N to compile_model")
+        if name not in self.lora.residents:
+            raise UnknownAdapter(name, sorted(self.lora.residents))
+
+    def load_lora(self, name: str, path) -> None:
+        """Load the PEFT adapter at `path` (a folder or hub id) into a free slot as `name`; no recompile."""
+        if self.lora is None:
+            raise ValueError("this model was compiled without LoRA slots; pass max_loras=N to compile_model")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name`; requests running with it finish with it."""
+        if self.lora is None:
+            raise UnknownAdapter(name, [])
+        self.lora.unload(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else sorted(self.lora.residents)
 
     def _run_engine(self, sequences) -> None:
         """Step the engine until `sequences` are done; raise the first one's error, if any."""

@@ -55,6 +55,7 @@ class Request:
     # With max_tokens 0 the request ends after its prompt, generating nothing.
     prompt_logprobs: int | None = None
     grammar: str | None = None  # structured output: llguidance's grammar text (structured.py); None: free text
+    lora: str | None = None  # the LoRA adapter it runs with, by name (runtime/lora.py); None: the base alone
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Sequence:
     grammar: GrammarState | None = None
     guessing: GuessState = field(default_factory=GuessState)  # speculative decoding's record for it
     cancelled: bool = False
+    adapter: object = None  # its LoRA adapter (lora.Resident) while it holds a slot
 
     def cancel(self) -> None:
         """Ask the engine to drop this request; it frees the slot at the start of its next step."""
@@ -245,13 +247,26 @@ class Engine:
         while free and self.waiting:
             seq = self.waiting.popleft()
             prompt = list(seq.request.prompt)
+            adapters = self.model.lora
+            if adapters is not None:
+                seq.adapter = self._guarded(seq, adapters.acquire, seq.request.lora)
+                if seq.done:  # its adapter was unloaded while it waited
+                    continue
+            elif seq.request.lora is not None:
+                self._fail(seq, ValueError(f"LoRA adapter {seq.request.lora!r} asked of a model compiled "
+                                           f"without LoRA slots (compile_model's lora=, max_loras=)"))
+                continue
             # A prompt that is scored must be prefilled from its first token.
             reuse = self.prefix_caching and seq.request.prompt_logprobs is None
             starts = [start for start, _ in self._plan(len(prompt))] if reuse else [0]
-            slot, reused = self.prefix_cache.choose(free, prompt, starts, self.chunk_size)
+            # Keys and values depend on the adapter: a prefix is reused only under the same one.
+            tag = None if seq.adapter is None else seq.adapter.identity
+            slot, reused = self.prefix_cache.choose(free, prompt, starts, self.chunk_size, tag)
             free.remove(slot)
             seq.slot = slot
             self.slots[slot] = seq
+            if adapters is not None:
+                adapters.bind(slot, seq.adapter)
             self._start_prefill(seq, prompt, reused)
 
     def _plan(self, length: int) -> list[tuple[int, int]]:
@@ -450,6 +465,9 @@ class Engine:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if seq.adapter is not None:
+            self.model.lora.release(seq.slot, seq.adapter)
+            seq.adapter = None
         if seq.slot is not None:
             self.slots[seq.slot] = None
             self.prefix_cache.freed(seq.slot)

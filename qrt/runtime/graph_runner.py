@@ -112,6 +112,8 @@ class GraphRunner:
         # and the prefill graph is compiled when a longer one first comes (compile_model's doc).
         self.lazy_prefill = lazy_prefill
         self.draft: GraphRunner | None = None  # the draft model of speculative method "draft"
+        # The LoRA adapters served beside the model (lora.py), where it was compiled with slots for them.
+        self.lora = None
         self.mtp = None  # the multi-token-prediction graphs of method "mtp" (mtp_graphs.py)
         # Method "mtp" reads the model's final hidden states of every fed token: the step graphs
         # return them beside the logits, and each step leaves its rows' in `last_hidden`.
@@ -275,6 +277,8 @@ class GraphRunner:
         """Run `role`'s graph on its inputs (_GRAPH_INPUTS[role], in order): called directly
         where it can be, else through Dynamo, compiling it on the first call. What the role's
         function returns (logits; prefill: logits and hidden states)."""
+        if self.lora is not None:
+            self.lora.route(role, dict(zip(_GRAPH_INPUTS[role], inputs)))
         direct = self.direct.get(role)
         if direct is not None and not self._guarded:
             outputs = direct(dict(zip(_GRAPH_INPUTS[role], inputs)))

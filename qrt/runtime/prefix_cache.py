@@ -24,6 +24,7 @@ class SlotContent:
     tokens: tuple = ()  # the whole chunks, from position 0, whose keys and values the slot holds exactly
     chunk_size: int = 0  # of those chunks
     freed_at: int = 0  # when the slot last became free, on the cache's own clock
+    tag: object = None  # what else the keys and values depend on: the LoRA adapter they were made with
 
 
 class PrefixCache:
@@ -32,11 +33,12 @@ class PrefixCache:
         self._clock = 0
         self.reused_tokens = 0  # prompt tokens not prefilled because a slot held them
 
-    def reusable(self, slot: int, prompt, starts: list[int], chunk_size: int) -> int:
+    def reusable(self, slot: int, prompt, starts: list[int], chunk_size: int, tag=None) -> int:
         """How many of `prompt`'s first tokens `slot` holds, as a chunk start of the prompt's
-        plan (`starts`, ascending, in chunks of `chunk_size`) that leaves its last chunk to prefill."""
+        plan (`starts`, ascending, in chunks of `chunk_size`) that leaves its last chunk to
+        prefill, for a request whose keys and values depend on `tag` as well."""
         held = self.content[slot]
-        if held.chunk_size != chunk_size:
+        if held.chunk_size != chunk_size or held.tag != tag:
             return 0
         best = 0
         for start in starts[1:]:  # the first start is 0; the last chunk always runs
@@ -46,11 +48,15 @@ class PrefixCache:
             best = start
         return best
 
-    def choose(self, free: list[int], prompt, starts: list[int], chunk_size: int) -> tuple[int, int]:
-        """(The free slot to give a request for `prompt`, how many prompt tokens it holds already)."""
-        reuse = {slot: self.reusable(slot, prompt, starts, chunk_size) for slot in free}
+    def choose(self, free: list[int], prompt, starts: list[int], chunk_size: int, tag=None) -> tuple[int, int]:
+        """(The free slot to give a request for `prompt` (with `tag`, see reusable), how many
+        prompt tokens it holds already)."""
+        reuse = {slot: self.reusable(slot, prompt, starts, chunk_size, tag) for slot in free}
         slot = max(free, key=lambda s: (reuse[s], -self.content[s].freed_at))
         self.reused_tokens += reuse[slot]
+        if not reuse[slot]:  # what the slot held is written over from position 0
+            self.content[slot].tokens = ()
+        self.content[slot].tag = tag
         return slot, reuse[slot]
 
     def overwritten(self, slot: int, position: int) -> None:
