@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -18,11 +19,14 @@ from qrt.formats.catalog import (compressed_tensors_formats, formats_markdown, k
 from qrt.runtime.compiled import BUILDS
 from qrt.runtime.distributed import leave_process_group
 from qrt.runtime.evaluate import DEFAULT_WINDOW
+from qrt.runtime.lora import DEFAULT_MAX_LORA_RANK, check_name
 from qrt.runtime.speculative import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
 from qrt.server.affinity import DEFAULT_PREFIX_CHARS
 from qrt.server.tools import READERS as TOOL_CALL_READERS
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+# Free adapter slots `qrt serve --allow-runtime-lora` keeps beside those of --lora, unless --max-loras says.
+RUNTIME_LORA_SLOTS = 4
 
 
 def main(argv=None) -> int:
@@ -89,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
                               "model's own, which then needs --draft-quant)")
         sub.add_argument("--draft-quant", default=None, help="draft: quantize the draft online (such as int4)")
 
+    def add_lora_args(sub, spare: str):
+        sub.add_argument("--lora", action="append", type=_lora_flag, default=None, metavar="NAME=PATH",
+                         help="a PEFT LoRA adapter (its folder or hub id) loaded beside the model under NAME; "
+                              "repeat for several")
+        sub.add_argument("--max-loras", type=int, default=None,
+                         help=f"LoRA adapters loaded at once (default: as many as --lora gives{spare})")
+        sub.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK,
+                         help="the largest rank an adapter may have (default: %(default)s)")
+
     def add_sampling_args(sub, max_new_tokens: int):
         sub.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
                          help="the longest answer, in tokens (default: %(default)s)")
@@ -104,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen, max_new_tokens=64)
     gen.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
+    add_lora_args(gen, spare="")
+    gen.add_argument("--use-lora", default=None, metavar="NAME",
+                     help="run the prompt with the --lora adapter NAME (default: the model alone)")
     gen.set_defaults(handler=_generate)
 
     chat = commands.add_parser("chat", help="a conversation in the terminal, in the model's chat template")
@@ -146,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --replicas: requests whose prompts start with the same this many characters go "
                           "to the replica that served the last of them, whose KV cache may still hold them "
                           "(default: %(default)s)")
+    add_lora_args(srv, spare=f", plus {RUNTIME_LORA_SLOTS} with --allow-runtime-lora")
+    srv.add_argument("--allow-runtime-lora", action="store_true",
+                     help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and drop "
+                          "adapters while the server runs (not with --tp or --replicas yet)")
     srv.set_defaults(handler=_serve, serve_parser=srv)
 
     ev = commands.add_parser("eval", help="perplexity and bits per byte of a text, scored with a sliding window")
@@ -188,6 +208,48 @@ def _model_path(text: str) -> str | None:
     return None if text == "default" else text
 
 
+class LoraFlag(NamedTuple):
+    """One --lora NAME=PATH."""
+
+    name: str
+    path: str
+
+    def __str__(self) -> str:  # as given: a replica's command line repeats it
+        return f"{self.name}={self.path}"
+
+
+def _lora_flag(text: str) -> LoraFlag:
+    name, equals, path = text.partition("=")
+    if not equals or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a name for the adapter, then its folder or hub id), "
+                                         f"got {text!r}")
+    try:
+        check_name(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return LoraFlag(name, path)
+
+
+def _lora(args, spare: int = 0) -> dict:
+    """compile_model's LoRA arguments from the command line ({}: no adapter slots). spare: free
+    slots beside those of --lora, where --max-loras does not say."""
+    adapters = {}
+    for flag in args.lora or ():
+        if flag.name in adapters:
+            raise ValueError(f"--lora gives two adapters named {flag.name!r}")
+        adapters[flag.name] = flag.path
+    if args.max_loras is not None and args.max_loras < 1:
+        raise ValueError(f"--max-loras must be at least 1, got {args.max_loras}")
+    if args.max_loras is not None and args.max_loras < len(adapters):
+        raise ValueError(f"--max-loras {args.max_loras} holds fewer than the {len(adapters)} adapters --lora gives")
+    if args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank must be at least 1, got {args.max_lora_rank}")
+    max_loras = args.max_loras or len(adapters) + spare
+    if not max_loras:
+        return {}
+    return {"lora": adapters or None, "max_loras": max_loras, "max_lora_rank": args.max_lora_rank}
+
+
 def _compile(args, path=None, **kwargs):
     from qrt import runtime
 
@@ -222,12 +284,16 @@ GENERATE_LAZY_PREFILL = 64
 
 
 def _generate(args) -> int:
+    lora = _lora(args)
+    if args.use_lora is not None and args.use_lora not in (lora.get("lora") or {}):
+        raise ValueError(f"--use-lora {args.use_lora!r} names none of the --lora adapters "
+                         f"({', '.join(lora.get('lora') or {}) or 'none given'})")
     model = _compile(args, compile=not args.eager, speculative=_speculative(args),
-                     lazy_prefill=GENERATE_LAZY_PREFILL)
+                     lazy_prefill=GENERATE_LAZY_PREFILL, **lora)
     chat = not args.no_chat and model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
     if model.parallel.rank != 0:  # every rank decodes the same tokens; rank 0 shows them
         model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, chat=chat)
+                       top_p=args.top_p, seed=args.seed, chat=chat, lora=args.use_lora)
         return 0
     print(f"> {args.prompt}", file=sys.stderr)
     started = time.perf_counter()
@@ -237,7 +303,7 @@ def _generate(args) -> int:
         tokens.append(token_id)
 
     text = model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, chat=chat, stream=stream)
+                          top_p=args.top_p, seed=args.seed, chat=chat, stream=stream, lora=args.use_lora)
     elapsed = time.perf_counter() - started
     print(text)
     print(f"qrt: {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / elapsed:.1f} tok/s incl. prefill)", file=sys.stderr)
@@ -261,27 +327,31 @@ def _serve(args) -> int:
         if value is not None and value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     chunk_size = args.prefill_chunk or DEFAULT_CHUNK
+    lora = _lora(args, spare=RUNTIME_LORA_SLOTS if args.allow_runtime_lora else 0)
+    name = args.served_model_name or ("default" if args.path is None
+                                      else args.path if is_hub_id(args.path) else Path(args.path).name)
+    if name in (lora.get("lora") or {}):
+        raise ValueError(f"--lora names an adapter {name!r}, the served model's own name (--served-model-name)")
     if args.replicas != 1:
         return _serve_replicas(args)
     if os.environ.get("RANK", "0") != "0":  # under torchrun with --tp: rank 0 serves, the others follow it
         from qrt.server.lockstep import follow
 
         model = _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
-                         speculative=_speculative(args))
+                         speculative=_speculative(args), **lora)
         return follow(model, chunk_size=chunk_size, prefix_caching=args.prefix_caching)
-    name = args.served_model_name or ("default" if args.path is None
-                                      else args.path if is_hub_id(args.path) else Path(args.path).name)
     return serve(lambda: _compile(args, max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
-                                  speculative=_speculative(args)),
+                                  speculative=_speculative(args), **lora),
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
                  max_batch=args.max_batch, prefix_caching=args.prefix_caching, tool_call_parser=args.tool_call_parser,
-                 drain_timeout_s=args.shutdown_timeout)
+                 drain_timeout_s=args.shutdown_timeout, allow_runtime_lora=args.allow_runtime_lora)
 
 
 # What the front alone uses: each replica serves on a port of its own on 127.0.0.1, with its share
-# of the threads, and reads the API key from its environment rather than its command line.
-_FRONT_ONLY = {"host", "port", "replicas", "affinity_prefix_chars", "api_key"}
+# of the threads, and reads the API key from its environment rather than its command line. The
+# front refuses runtime LoRA loading, so that no replica holds adapters the others lack.
+_FRONT_ONLY = {"host", "port", "replicas", "affinity_prefix_chars", "api_key", "allow_runtime_lora"}
 
 
 def _serve_replicas(args) -> int:
@@ -320,6 +390,8 @@ def replica_arguments(serve_parser, args) -> list[str]:
         value = getattr(args, action.dest)
         if not action.option_strings:  # the checkpoint
             arguments.insert(0, "default" if value is None else str(value))
+        elif isinstance(value, list):  # a repeated flag (--lora)
+            arguments += [part for item in value for part in (action.option_strings[0], str(item))]
         elif value != action.default:
             arguments += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
     return arguments

@@ -40,12 +40,7 @@ class LoraWeights(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, ..., K] -> the delta [B, ..., N] of each batch row's adapter."""
-        batch, in_features = x.shape[0], x.shape[-1]
-        slot = self.rows[:batch]  # [B]
-        flat = x.reshape(batch, -1, in_features)  # [B, T, K]
-        shrunk = torch.bmm(flat, self.a[slot].transpose(1, 2))  # [B, T, nR]
-        delta = torch.bmm(shrunk, self.b[slot].transpose(1, 2))  # [B, T, N]
-        return delta.reshape(*x.shape[:-1], delta.shape[-1])
+        return torch.ops.qrt.lora_delta(x, self.a, self.b, self.rows)
 
     @torch.no_grad()
     def write(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """The HTTP side of `qrt serve`: OpenAI's completions, chat completions, embeddings and models endpoints,
-health and metrics, over an EngineLoop. The routes check and translate; `Service` queues a
-request's choices on the engine, and delivery.py answers with replies.py's JSON."""
+vLLM's LoRA adapter endpoints (lora_routes.py), health and metrics, over an EngineLoop. The routes
+check and translate; `Service` queues a request's choices on the engine, and delivery.py answers
+with replies.py's JSON."""
 
 import asyncio
 import secrets
@@ -11,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from qrt.runtime.lora import UnknownAdapter
 from qrt.runtime.sampling import SamplingParams
 
 from . import delivery, tools
@@ -21,6 +23,7 @@ from .chat_page import add_chat_page
 from .grammar_gate import GrammarGate
 from .logprob_shapes import LogprobShapes
 from .embeddings import Embeddings
+from .lora_routes import add_lora_routes, adapter_cards, model_not_found
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from .replies import Prompt, Reply, Scoring
 
@@ -65,15 +68,16 @@ class Service:
         return loop.model
 
     def model_for(self, body):
-        """The served model, when the request names it."""
+        """The served model and the LoRA adapter the request names by its `model` (None: the base)."""
         model = self.ready_model()
-        if body.model != self.model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
-                                f"{self.model_name!r}", "not_found_error", param="model", code="model_not_found")
-        return model
+        if body.model == self.model_name:
+            return model, None
+        if body.model in model.lora_names:
+            return model, body.model
+        raise model_not_found(body.model, self.model_name, model)
 
-    async def serve(self, body, model, prompts: list[Prompt], limit: int | None, request: Request, chat: bool,
-                    scoring: Scoring):
+    async def serve(self, body, model, lora: str | None, prompts: list[Prompt], limit: int | None,
+                    request: Request, chat: bool, scoring: Scoring):
         """Check a request's choices, queue them on the engine and answer, whole or streamed."""
         budgets, gate = self.limits(model)
         budgets.check_choices(len(prompts), body.n)
@@ -102,13 +106,15 @@ class Service:
                                              stop_at_eos=not body.ignore_eos, stop_ids=stop_ids,
                                              stop_strings=body.stop_strings(), text=True,
                                              logprobs=scoring.generated, prompt_logprobs=scoring.prompt,
-                                             grammar=grammar)
+                                             grammar=grammar, lora=lora)
                                for i, (prompt, tokens) in enumerate(requests)]
+        except UnknownAdapter:  # unloaded since model_for
+            raise model_not_found(body.model, self.model_name, model) from None
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         reader = (tools.reader_for(model.tokenizer.chat_template) if self.tool_call_parser == "auto"
                   else self.tool_call_parser)
-        reply = Reply(chat, self.model_name, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts,
+        reply = Reply(chat, body.model, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts,
                       body.tools if chat else None, body.tool_mode() if chat else None, reader)
         # Submitted last: from here on the answer (delivery.py) owns the choices and cancels them.
         running = [self.loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
@@ -118,10 +124,11 @@ class Service:
 
 
 def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: int = 64,
-               max_body_bytes: int = 1 << 20, drain_timeout_s: float = 600, tool_call_parser: str = "auto") -> FastAPI:
+               max_body_bytes: int = 1 << 20, drain_timeout_s: float = 600, tool_call_parser: str = "auto",
+               allow_runtime_lora: bool = False) -> FastAPI:
     """loop: an EngineLoop, started with the app and stopped (after its requests finish) with it.
     tool_call_parser: how "auto" tool choice reads calls (tools.READERS), or "auto" for the one
-    of the chat template's family."""
+    of the chat template's family. allow_runtime_lora: serve the LoRA load and unload endpoints."""
     service = Service(loop, model_name, api_key, max_queue, tool_call_parser)
 
     @asynccontextmanager
@@ -152,13 +159,14 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
     async def models(request: Request):
         service.authorize(request)
         model = service.ready_model()
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "qrt", "max_model_len": model.max_seq_len}]}
+        base = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "qrt",
+                "max_model_len": model.max_seq_len}
+        return {"object": "list", "data": [base, *adapter_cards(model, model_name)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service.authorize(request)
-        model = service.model_for(body)
+        model, lora = service.model_for(body)
         prompts = [Prompt(_encode(lambda: model.encode(p), "prompt"), p) if isinstance(p, str)
                    else Prompt(_token_ids(model, p, "prompt"), None) for p in body.prompts()]
         # Echo with logprobs scores the prompt; echo with max_tokens 0 has the engine stop after it.
@@ -166,26 +174,30 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         if body.echo and body.max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0
         scoring = Scoring(body.logprobs, prompt_logprobs, body.echo, top=True)
-        return await service.serve(body, model, prompts, body.max_tokens, request, chat=False, scoring=scoring)
+        return await service.serve(body, model, lora, prompts, body.max_tokens, request, chat=False,
+                                   scoring=scoring)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.authorize(request)
-        model = service.model_for(body)
+        model, lora = service.model_for(body)
         messages = [tools.template_message(m) for m in body.messages]
         offered = tools.template_tools(body.tools) if body.tool_mode() is not None else None
         prompt = Prompt(_encode(lambda: model.encode_messages(messages, offered), "messages"), None)
         top = body.top_logprobs or 0
         scoring = Scoring(top if body.logprobs else None, None, False, top=body.top_logprobs is not None)
-        return await service.serve(body, model, [prompt], body.token_limit(), request, chat=True, scoring=scoring)
+        return await service.serve(body, model, lora, [prompt], body.token_limit(), request, chat=True,
+                                   scoring=scoring)
 
     embeddings = Embeddings(service)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, request: Request):
         service.authorize(request)
-        return await embeddings.answer(body, service.model_for(body))
+        model, _ = service.model_for(body)  # an embedding model has no adapters
+        return await embeddings.answer(body, model)
 
+    add_lora_routes(app, service, allow_runtime_lora)
     return app
 
 

@@ -98,6 +98,10 @@ class EngineLoop:
     def active_slots(self) -> int:
         return self.engine.active if self.engine is not None else 0
 
+    def compiled_graphs(self) -> int:
+        """Graphs Dynamo has compiled for the model so far (0 before it loads)."""
+        return sum(self.model.compile_report().values()) if self.ready.is_set() else 0
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> tuple[Sequence, asyncio.Queue]:
         """Hand a request to the engine; its Updates arrive on the returned queue, on `loop`."""
         updates: asyncio.Queue = asyncio.Queue()

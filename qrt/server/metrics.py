@@ -31,6 +31,9 @@ class Metrics:
             "qrt_speculative_accepted_tokens", "Guessed tokens kept: the model agreed with them", registry=registry)
         self.speculative_checks = Counter(
             "qrt_speculative_checks", "Verify calls: decode steps that checked guesses", registry=registry)
+        self.compiled_graphs = Gauge(
+            "qrt_compiled_graphs", "Graphs Dynamo compiled in this process (graphs loaded from the compile cache "
+            "not counted): a rise after start-up is a recompile", registry=registry)
         self.requests = Counter("qrt_requests", "Requests by outcome: stop, length, cancelled, error (inside the "
                                 "engine), rejected (refused before it)", ["outcome"], registry=registry)
 
@@ -38,6 +41,7 @@ class Metrics:
         """Read the queue and slot gauges from the engine loop whenever they are scraped."""
         self.queue_depth.set_function(loop.queue_depth)
         self.active_slots.set_function(loop.active_slots)
+        self.compiled_graphs.set_function(loop.compiled_graphs)
 
     def count_speculation(self, now: tuple[int, int, int], before: tuple[int, int, int]) -> None:
         """Add what a step's speculation did: (proposed, accepted, checks) now and before it."""

@@ -101,6 +101,13 @@ def create_router(pool: ReplicaPool, affinity: PrefixAffinity, *, prefix_chars: 
         page = summed_metrics([t for t in texts if t is not None]) + generate_latest(router_metrics)
         return Response(page, media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def runtime_lora():
+        # Each replica would have to load the adapter, and a request be routed only to those that did.
+        return JSONResponse(error_body("loading LoRA adapters at runtime is not supported with --replicas yet; give "
+                                       "them at start with --lora NAME=PATH"), status_code=400)
+
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request):
         body = await request.body()

@@ -12,7 +12,7 @@ from qrt.runtime.engine import DEFAULT_CHUNK
 def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, max_body_bytes: int = 1 << 20, chunk_size: int = DEFAULT_CHUNK,
           max_batch: int = 8, drain_timeout_s: float = 600, prefix_caching: bool = True,
-          tool_call_parser: str = "auto") -> int:
+          tool_call_parser: str = "auto", allow_runtime_lora: bool = False) -> int:
     """load(): the compiled, warm CompiledModel (called on the engine thread). Returns the exit code."""
     import uvicorn
 
@@ -32,8 +32,9 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
 
     def load_and_announce():
         model = load()
+        adapters = f", LoRA adapters {model.lora_names}" if model.lora_names else ""
         print(f"qrt: ready: serving {model_name!r} on http://{host}:{port}/v1 "
-              f"({max_batch} slots of {model.max_seq_len} tokens)", file=sys.stderr, flush=True)
+              f"({max_batch} slots of {model.max_seq_len} tokens{adapters})", file=sys.stderr, flush=True)
         return model
 
     loop = EngineLoop(load_and_announce, metrics, chunk_size=chunk_size, prefix_caching=prefix_caching,
@@ -41,7 +42,8 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
     metrics.slots.set(max_batch)
     metrics.watch(loop)
     app = create_app(loop, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                     max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s, tool_call_parser=tool_call_parser)
+                     max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s, tool_call_parser=tool_call_parser,
+                     allow_runtime_lora=allow_runtime_lora)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s)
     server = DrainingServer(config, draining=loop.draining, in_hand=loop.in_hand, timeout_s=drain_timeout_s)

@@ -135,3 +135,23 @@ def adapter_tensors(adapter_folder) -> dict[str, torch.Tensor]:
 def adapter_config(adapter_folder) -> dict:
     """`adapter_folder`'s adapter_config.json."""
     return json.loads((Path(adapter_folder) / "adapter_config.json").read_text())
+
+
+def random_peft_adapter(config, adapter_folder, *, r=8, lora_alpha=16, seed=0) -> Path:
+    """A PEFT adapter on every projection of a Llama with the shapes of qrt's ModelConfig
+    `config`, whose lora_B is PEFT's random start instead of zeros (`init_lora_weights=False`),
+    saved into `adapter_folder`: an adapter for any tiny base, whatever its sizes, without training."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    shape = transformers.LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(shape)
+    lora = LoraConfig(task_type="CAUSAL_LM", target_modules=list(ALL_PROJECTIONS), r=r, lora_alpha=lora_alpha,
+                      lora_dropout=0.0, init_lora_weights=False)
+    with _quiet_peft():
+        get_peft_model(model, lora).save_pretrained(str(adapter_folder), safe_serialization=True)
+    return Path(adapter_folder)

@@ -5,7 +5,8 @@ tests/test_producers.py).
     python tests/helpers/tp_worker.py JOBS.json RESULTS.pt     # tp=1, one process
 
 JOBS.json lists models to build with tp = the world size: {"name", "path", "quant", "compile",
-"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "dtype", "may_refuse" (true: an UnsupportedError
+"ids" (a [B, T] list), "prompt" (ids), "steps", optionally "tp", "dtype", "lora" ({name: adapter folder}: LoRA
+adapters to load) with "use_lora" (the one the teacher-forced logits and the decoded tokens run with), "may_refuse" (true: an UnsupportedError
 while loading is saved as "refused" instead of ending the run), "forward" (false: skip
 the full forward), "again_prompt" (what a compiled model decodes again; default: the prompt less
 its last token) and "teacher_forced" ({"ids": a list, "prefill": P}: the logits of
@@ -41,7 +42,7 @@ def run(job: dict) -> dict:
     try:
         model = runtime.compile_model(path, job.get("quant"), tp=job.get("tp", int(os.environ.get("WORLD_SIZE", 1))),
                                       dtype=job.get("dtype"), compile=job["compile"], cache=False, progress=False,
-                                      warmup=False, max_seq_len=job.get("max_seq_len", 128))
+                                      warmup=False, max_seq_len=job.get("max_seq_len", 128), lora=job.get("lora"))
     except UnsupportedError as error:
         if not job.get("may_refuse"):
             raise
@@ -54,13 +55,18 @@ def run(job: dict) -> dict:
         with torch.no_grad():
             logits = model(torch.tensor(job["ids"]))
     forced = job.get("teacher_forced")
+    adapter = job.get("use_lora")
     if forced:
+        if adapter is not None:  # teacher_forced_logits drives cache slot 0 directly
+            model.lora.bind(0, model.lora.residents[adapter])
         forced = teacher_forced_logits(model, forced["ids"], forced["prefill"])
-    tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False)
+        if adapter is not None:
+            model.lora.bind(0, None)
+    tokens = model.generate(job["prompt"], max_new_tokens=job["steps"], stop_at_eos=False, lora=adapter)
     if job["compile"]:  # decoding again, at other lengths, must not recompile on any rank
         with no_recompiles(model):
             again = model.generate(job.get("again_prompt", job["prompt"][:-1]), max_new_tokens=job["steps"],
-                                   stop_at_eos=False)
+                                   stop_at_eos=False, lora=adapter)
     else:
         again = None
     shapes = {name: list(p.shape) for name, p in model.model.named_parameters()}
