@@ -5,7 +5,7 @@ e4m3 codes; int4_pairs_cpu.cpp, 4-bit codes in groups; superblock_cpu.cpp, 4-, 5
 levels of scales (llama.cpp's block types); lut4_cpu.cpp, 4-bit codes looked up in a 16-entry table
 times block scales (NF4, FP4, NVFP4, MXFP4); int8_groups_cpu.cpp, byte-wide codes in groups on the
 pairs' layout; decode_attention_cpu.cpp, attention of one new token per row over the
-KV cache; shm_all_reduce_cpu.cpp, the all-reduce of tensor-parallel ranks on one host): built
+KV cache; lora_cpu.cpp, each batch row's LoRA product; shm_all_reduce_cpu.cpp, the all-reduce of tensor-parallel ranks on one host): built
 together on first use, loaded as `torch.ops.qrt_cpu.*`.
 
 They need AVX-512 with the BF16 and VBMI extensions (vdpbf16ps, vpermi2b), a C++ compiler and
@@ -197,6 +197,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("qrt_cpu::decode_attention")
     def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale, sinks=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("qrt_cpu::lora_delta")
+    def _(x, a, b, rows):
+        return x.new_empty(*x.shape[:-1], b.shape[1])
 
     @torch.library.register_fake("qrt_cpu::shm_all_reduce")
     def _(x, handle):

@@ -21,6 +21,8 @@ layer's all-reduce adds up.
 import torch
 from torch import nn
 
+from qrt.kernels.lora_cpu import lora_delta_op
+
 
 class LoraWeights(nn.Module):
     """The adapter slots of one Linear: a [slots + 1, n·R, K] and b [slots + 1, N, n·R] (slot 0
@@ -37,10 +39,11 @@ class LoraWeights(nn.Module):
         self.register_buffer("a", torch.zeros(slots + 1, width, input_size, dtype=dtype, device=device))  # [S+1, nR, K]
         self.register_buffer("b", torch.zeros(slots + 1, output_size, width, dtype=dtype, device=device))  # [S+1, N, nR]
         self.register_buffer("rows", rows)  # [R] int64, shared by every LoraWeights of the model
+        self.delta_op = lora_delta_op(torch.device(device), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, ..., K] -> the delta [B, ..., N] of each batch row's adapter."""
-        return torch.ops.qrt.lora_delta(x, self.a, self.b, self.rows)
+        return self.delta_op(x, self.a, self.b, self.rows)
 
     @torch.no_grad()
     def write(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor) -> None:
