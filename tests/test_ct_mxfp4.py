@@ -16,7 +16,7 @@ from test_nvfp4 import producer_variant
 
 from qrt import runtime
 from qrt.errors import UnsupportedError
-from qrt.formats.compressed_tensors import mxfp4 as ct_mxfp4
+from qrt.formats import mxfp4 as mxfp4_format
 
 SUMMATION_ORDER = 1e-5  # fp32 sums of a few hundred products in another order
 
@@ -25,14 +25,14 @@ SUMMATION_ORDER = 1e-5  # fp32 sums of a few hundred products in another order
 def described(monkeypatch):
     """While a model loads, the dequantized weight each layer's loader pass describes, in order."""
     seen = []
-    original = ct_mxfp4.mxfp4_weights
+    original = mxfp4_format.mxfp4_weights
 
     def record(blocks, scales):
         weights = original(blocks, scales)
         seen.append(weights.dequantize())
         return weights
 
-    monkeypatch.setattr(ct_mxfp4, "mxfp4_weights", record)
+    monkeypatch.setattr(mxfp4_format, "mxfp4_weights", record)
     return seen
 
 

@@ -9,10 +9,13 @@ gpt-oss stores its experts so (`experts.gate_up_proj_blocks` [E, 2I, D / 32, 16]
 for every expert, which models/gpt_oss.py hands to each expert's layer under these names.
 `modules_to_not_convert` lists what stays dense (gpt-oss: attention, routers, embeddings, lm_head).
 
-The loader pass describes the weights as `Lut4Weights` for `qrt::lut4_linear`.
+The loader pass describes the weights as `Lut4Weights` for `qrt::lut4_linear`. compressed-tensors'
+MXFP4A16 (compressed_tensors/mxfp4.py) stores the same bytes under other names, which
+`Mxfp4Tensors` says.
 """
 
 import re
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -31,36 +34,60 @@ BLOCK = 32  # input channels per E8M0 scale
 BLOCK_BYTES = BLOCK // 2
 
 
-def mxfp4_weights(blocks: torch.Tensor, scales: torch.Tensor) -> Lut4Weights:
-    """blocks uint8 [N, K / 32, 16] and scales uint8 [N, K / 32], as stored -> the neutral form."""
-    n = blocks.shape[0]
-    codes = unpack_nibbles(blocks.reshape(n, -1))  # [N, K]
-    return Lut4Weights(codes, e2m1_table(), BLOCK, scales, "e8m0")
+def mxfp4_weights(codes: torch.Tensor, scales: torch.Tensor) -> Lut4Weights:
+    """codes uint8 [N, K / 32, 16] or [N, K / 2] (two a byte, low nibble first) and scales uint8
+    [N, K / 32], as stored -> the neutral form."""
+    n = codes.shape[0]
+    return Lut4Weights(unpack_nibbles(codes.reshape(n, -1)), e2m1_table(), BLOCK, scales, "e8m0")
+
+
+@dataclass(frozen=True)
+class Mxfp4Tensors:
+    """How one producer names and shapes MXFP4's two tensors (the bytes are the same)."""
+
+    codes: str  # uint8, two E2M1 codes a byte along K, the even channel in the low nibble
+    scales: str  # uint8 [N, K / 32]: E8M0 exponents
+    codes_in_blocks: bool  # [N, K / 32, 16] (gpt-oss); else [N, K / 2] (compressed-tensors)
+    note: str | None = None  # what `inspect` adds to the storage line
+
+
+# gpt-oss's names, which models/gpt_oss.py also hands each expert's tensors over under.
+GPT_OSS_TENSORS = Mxfp4Tensors("weight_blocks", "weight_scales", codes_in_blocks=True)
 
 
 class Mxfp4LinearMethod(LinearMethod):
     name = "mxfp4"
-    # A rank's part of K must be whole blocks; axis_cut checks it from the tensors' sizes.
-    shard_rule = {"weight_blocks": DENSE_WEIGHT, "weight_scales": DENSE_WEIGHT}
+
+    def __init__(self, tensors: Mxfp4Tensors = GPT_OSS_TENSORS, module_names=()):
+        super().__init__(tensors, module_names)
+        # A rank's part of K must be whole blocks; axis_cut checks it from the tensors' sizes.
+        self.shard_rule = {tensors.codes: DENSE_WEIGHT, tensors.scales: DENSE_WEIGHT}
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
-        n, k = layer.output_size, layer.input_size
+        names, n, k = self.cfg, layer.output_size, layer.input_size
         if k % BLOCK:
             raise UnsupportedError(f"{self.module_names[0]}: MXFP4 needs input channels in whole blocks of {BLOCK}; "
                                    f"this layer has {k}")
         load = partial(copy_ints, layout=layer.shard_layout, dtype=torch.uint8)
-        layer.weight_blocks = make_parameter(
-            torch.empty(n, k // BLOCK, BLOCK_BYTES, dtype=torch.uint8),  # [N, K / 32, 16]: two codes a byte
-            weight_loader=load, input_dim=1, output_dim=0, quant_format=self.name)
-        layer.weight_scales = make_parameter(
+        if names.codes_in_blocks:
+            codes = make_parameter(torch.empty(n, k // BLOCK, BLOCK_BYTES, dtype=torch.uint8),  # [N, K / 32, 16]
+                                   weight_loader=load, input_dim=1, output_dim=0, quant_format=self.name)
+        else:
+            codes = make_parameter(torch.empty(n, k // 2, dtype=torch.uint8),  # [N, K / 2]
+                                   weight_loader=load, input_dim=1, output_dim=0, packed_dim=1, packed_factor=2,
+                                   quant_format=self.name)
+        setattr(layer, names.codes, codes)
+        setattr(layer, names.scales, make_parameter(
             torch.empty(n, k // BLOCK, dtype=torch.uint8),  # [N, K / 32]: E8M0 exponents
-            weight_loader=load, input_dim=1, output_dim=0, group_size=BLOCK, quant_format=self.name)
+            weight_loader=load, input_dim=1, output_dim=0, group_size=BLOCK, quant_format=self.name))
 
     def process_after_loading(self, layer, device: torch.device) -> None:
-        weights = mxfp4_weights(layer.weight_blocks.data, layer.weight_scales.data)
+        names = self.cfg
+        weights = mxfp4_weights(getattr(layer, names.codes).data, getattr(layer, names.scales).data)
         kernel = choose("qrt.lut4_linear", device.type, weights=weights, dtype=layer.params_dtype)
-        remove_parameters(layer, "weight_blocks", "weight_scales")
-        install_packed(layer, kernel.layout.pack(weights, layer.params_dtype), kernel.op, quant_format=self.name)
+        remove_parameters(layer, names.codes, names.scales)
+        install_packed(layer, kernel.layout.pack(weights, layer.params_dtype), kernel.op, quant_format=self.name,
+                       note=names.note)
         self.layout = kernel.layout
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:

@@ -87,9 +87,7 @@ def add_lora_routes(app: FastAPI, service, allowed: bool) -> None:
             adapter = await asyncio.to_thread(lambda: read_adapter(locate_adapter(body.lora_path, progress=False)))
         except (QrtError, OSError) as err:
             raise ApiError(400, f"lora_path: {err}", param="lora_path") from None
-        read_s = time.perf_counter() - started
-        resident = await on_engine(lambda: (print("DIAG engine got it", time.perf_counter() - started, file=sys.stderr), _place(lora, name, adapter))[1])
-        print("DIAG read", read_s, file=sys.stderr)
+        resident = await on_engine(lambda: _place(lora, name, adapter))
         print(f"qrt: loaded LoRA adapter {name!r} (rank {resident.rank}) from {body.lora_path} in "
               f"{(time.perf_counter() - started) * 1000:.0f} ms", file=sys.stderr, flush=True)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
