@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"LoRA adapters loaded at once (default: as many as --lora gives{spare})")
         sub.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK,
                          help="the largest rank an adapter may have (default: %(default)s)")
+        sub.add_argument("--lora-target-modules", default=None, metavar="NAMES",
+                         help="the modules that hold adapter slots, comma-separated as transformers names them "
+                              "(q_proj,v_proj,...) or all-linear (default: those the --lora adapters adapt, else "
+                              "the attention and MLP projections)")
 
     def add_sampling_args(sub, max_new_tokens: int):
         sub.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
@@ -119,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (reference ops)")
     add_lora_args(gen, spare="")
     gen.add_argument("--use-lora", default=None, metavar="NAME",
-                     help="run the prompt with the --lora adapter NAME (default: the model alone)")
+                     help="run the prompt with the --lora adapter NAME (default: the one --lora adapter where "
+                          "one is given; with several, the model alone)")
     gen.set_defaults(handler=_generate)
 
     chat = commands.add_parser("chat", help="a conversation in the terminal, in the model's chat template")
@@ -247,7 +252,11 @@ def _lora(args, spare: int = 0) -> dict:
     max_loras = args.max_loras or len(adapters) + spare
     if not max_loras:
         return {}
-    return {"lora": adapters or None, "max_loras": max_loras, "max_lora_rank": args.max_lora_rank}
+    targets = args.lora_target_modules
+    if targets is not None and targets != "all-linear":
+        targets = [name.strip() for name in targets.split(",") if name.strip()]
+    return {"lora": adapters or None, "max_loras": max_loras, "max_lora_rank": args.max_lora_rank,
+            "lora_targets": targets or None}
 
 
 def _compile(args, path=None, **kwargs):
@@ -285,6 +294,8 @@ GENERATE_LAZY_PREFILL = 64
 
 def _generate(args) -> int:
     lora = _lora(args)
+    if args.use_lora is None and len(lora.get("lora") or {}) == 1:  # one adapter given: it is the one to run
+        args.use_lora = next(iter(lora["lora"]))
     if args.use_lora is not None and args.use_lora not in (lora.get("lora") or {}):
         raise ValueError(f"--use-lora {args.use_lora!r} names none of the --lora adapters "
                          f"({', '.join(lora.get('lora') or {}) or 'none given'})")

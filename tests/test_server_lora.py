@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from bench.serve_load import ServerProcess, free_port, metrics
-from helpers.graph_checks import no_recompiles
 from helpers.lora_adapters import adapter_config, make_peft_adapter
 from qrt import runtime
 from qrt.cli import build_parser, main, replica_arguments
@@ -187,19 +186,6 @@ def test_loading_and_unloading_compile_nothing_in_the_server(server, client, ada
     assert metrics(server.url)["qrt_compiled_graphs"] == before
 
 
-def test_loading_an_adapter_does_not_recompile(lora_model, adapters):
-    prompt = lora_model.encode(PROMPT)
-    with no_recompiles(lora_model):  # every step through Dynamo's guards, recompiling refused
-        base = lora_model.generate(prompt, TOKENS)
-        lora_model.load_lora("third", adapters["third"])
-        try:
-            assert lora_model.generate(prompt, TOKENS, lora="third") != base
-            assert lora_model.generate_batch([prompt, prompt], TOKENS, lora=["third", None]) == [
-                lora_model.generate(prompt, TOKENS, lora="third"), base]
-        finally:
-            lora_model.unload_lora("third")
-
-
 def test_runtime_loading_is_off_without_the_flag_and_under_replicas(lora_model, adapters):
     from fastapi.testclient import TestClient
 
@@ -251,8 +237,15 @@ def test_generate_runs_the_prompt_with_the_adapter_use_lora_names(chat_llama_dir
             str(TOKENS), "--lora", f"sql={adapters['sql']}", "--lora", f"poem={adapters['poem']}"]
     assert main([*argv, "--use-lora", "sql"]) == 0
     assert capsys.readouterr().out == expected + "\n"
-    assert main(argv) == 0  # without --use-lora: the base alone
+    assert main(argv) == 0  # two adapters without --use-lora: the base alone
     assert capsys.readouterr().out == eager.generate(PROMPT, TOKENS) + "\n"
+    assert main(argv[:-2]) == 0  # one adapter: it runs
+    assert capsys.readouterr().out == expected + "\n"
+    # Slots on o_proj alone: the adapter on q_proj and v_proj is refused, naming its module.
+    assert main([*argv[:-2], "--lora-target-modules", "o_proj"]) == 2
+    assert "self_attn.q_proj" in capsys.readouterr().err
+    assert main([*argv[:-2], "--lora-target-modules", "q_proj, v_proj"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
 
 
 def _serve_with_adapters(chat_llama_dir, adapters, log_path, *launch: str, flags=()) -> ServerProcess:

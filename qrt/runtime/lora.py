@@ -48,6 +48,10 @@ class UnknownAdapter(KeyError):
         return f"no LoRA adapter named {self.name!r} is loaded; loaded: {self.known or 'none'}"
 
 
+class NoFreeSlot(ValueError):
+    """Every adapter slot holds an adapter (or one unloaded whose requests still run)."""
+
+
 @dataclass
 class Resident:
     """An adapter in a slot. `identity` is new on every load, so that KV-cache prefixes computed
@@ -123,8 +127,8 @@ class LoraSet:
         taken = {r.slot for r in self.residents.values()} | {r.slot for r in self.kv_slots if r is not None}
         free = [s for s in range(1, self.max_loras + 1) if s not in taken]
         if not free:
-            raise ValueError(f"all {self.max_loras} LoRA adapter slots are in use "
-                             f"({sorted(self.residents)}); unload one or raise max_loras")
+            raise NoFreeSlot(f"all {self.max_loras} LoRA adapter slots are in use ({', '.join(sorted(self.residents))}); "
+                             f"unload one or raise max_loras")
         slot = free[0]
         for lora in (linear.lora for linear, _ in self.layers.values()):
             lora.clear(slot)

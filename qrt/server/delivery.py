@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qrt.runtime.engine import ERROR, Update
+from qrt.runtime.lora import UnknownAdapter
 
 from .protocol import error_body
 from .replies import Reply
@@ -45,6 +46,9 @@ async def whole(running: list, reply: Reply, request: Request):
         raise
     failed = [update for update in ended.values() if update.finish_reason == ERROR]
     if failed:
+        if isinstance(failed[0].error, UnknownAdapter):  # unloaded while the request waited for a slot
+            return JSONResponse(error_body(str(failed[0].error), "not_found_error", param="model",
+                                           code="model_not_found"), status_code=404)
         return JSONResponse(engine_error(failed[0]), status_code=500)
     return reply.whole([seq for seq, _ in running])
 

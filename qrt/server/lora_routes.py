@@ -4,10 +4,10 @@ completions or chat request picks it by its `model`. With `--allow-runtime-lora`
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter change which adapters are loaded while the
 server runs.
 
-An adapter's files are found (a hub id downloads) and read on a worker thread: that is disk and
-network work on CPU tensors of its own, which would stall the event loop or, on the engine thread,
-every stream. They go into a slot on the engine thread (EngineLoop.call), between two steps, like
-every change to the model's tensors. The slots are written in place, so nothing recompiles, and an
+An adapter's files are found (a hub id downloads) and read on a worker thread: disk and network
+work, into the adapter's own CPU tensors, that would stall the event loop there, and every stream
+on the engine thread. They go into a slot on the engine thread (EngineLoop.call), between two
+steps, like every change to the model's tensors. The slots are written in place, so nothing recompiles, and an
 unloaded adapter still serves the requests running with it to their end."""
 
 import asyncio
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from qrt.checkpoint.hub import locate_adapter
 from qrt.checkpoint.lora_adapter import LoraAdapter, read_adapter
 from qrt.errors import QrtError
-from qrt.runtime.lora import LoraSet, UnknownAdapter, check_name
+from qrt.runtime.lora import LoraSet, NoFreeSlot, UnknownAdapter, check_name
 
 from .api_errors import ApiError
 
@@ -107,13 +107,10 @@ def _place(lora: LoraSet, name: str, adapter: LoraAdapter):
     """Put a read adapter into a free slot (engine thread); each refusal names the field at fault."""
     if name in lora.residents:
         raise ApiError(400, f"a LoRA adapter named {name!r} is loaded already; unload it first", param="lora_name")
-    # A slot is taken by a loaded adapter, and by an unloaded one until its last request ends (LoraSet.load).
-    taken = {r.slot for r in lora.residents.values()} | {r.slot for r in lora.kv_slots if r is not None}
-    if len(taken) >= lora.max_loras:
-        raise ApiError(400, f"all {lora.max_loras} LoRA adapter slots are in use ({', '.join(sorted(lora.residents))}"
-                            f"); unload one (POST /v1/unload_lora_adapter) or start the server with a larger "
-                            f"--max-loras")
     try:
         return lora.load(name, adapter.path, adapter=adapter)
+    except NoFreeSlot as err:  # no field is at fault
+        raise ApiError(400, f"{err} (POST /v1/unload_lora_adapter, or start the server with a larger --max-loras)") \
+            from None
     except ValueError as err:  # what the adapter holds does not fit the slots: its rank, its modules
         raise ApiError(400, f"lora_path: {err}", param="lora_path") from None
