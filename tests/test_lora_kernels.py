@@ -1,77 +1,75 @@
-"""`qrt::lora_delta` (each batch row's LoRA product over stacked adapter slots): the reference
-against float64 arithmetic, and qrt's CPU kernel against the reference, at decode's few tokens
-(its own loop) and at prefill's many (the gathered batched GEMM), in bf16 and fp32."""
+"""`qrt::lora_add` (a layer's output plus each batch row's LoRA product over stacked adapter
+slots): the reference against float64 arithmetic, and qrt's CPU kernel against the reference, at
+decode's few tokens (its own loop) and at prefill's many (the gathered batched GEMM), in bf16 and
+fp32."""
 
 import pytest
 import torch
 
 from qrt.kernels import native_cpu
-from qrt.kernels.lora_cpu import lora_delta_op
+from qrt.kernels.lora_cpu import lora_add_op
 
 needs_native = pytest.mark.skipif(not native_cpu.available(), reason="qrt's CPU kernels do not build here")
 SLOTS, WIDTH, K, N = 5, 48, 576, 960  # the default model's q/k/v: rank 16 times 3 shards
 ROWS = torch.tensor([2, 0, 3, 2, 1, 4, 0, 2])  # the adapter slot of each batch row (0: none)
+SHAPES = [(1, 1), (8, 1), (2, 5), (1, 40), (3, 7)]  # (rows, tokens): decode's few tokens, then prefill's many
 
 
-def pairs(dtype, seed=0):
+def operands(dtype, rows: int, tokens: int, seed=0):
     gen = torch.Generator().manual_seed(seed)
     a = (torch.randn(SLOTS, WIDTH, K, generator=gen) / K**0.5).to(dtype)  # [S, W, K]
-    b = torch.randn(SLOTS, N, WIDTH, generator=gen).to(dtype)  # [S, N, W]
+    b = torch.randn(SLOTS, WIDTH, N, generator=gen).to(dtype)  # [S, W, N]: B transposed
     a[0], b[0] = 0, 0  # slot 0 holds no adapter
-    return a, b
+    x = torch.randn(rows, tokens, K, generator=gen).to(dtype)  # [B, T, K]
+    y = torch.randn(rows, tokens, N, generator=gen).to(dtype)  # [B, T, N]: the base's output
+    return y, x, a, b
 
 
-def exact(x, a, b, rows):
-    """float64 b[rows[i]] @ round(a[rows[i]] @ x[i]): the shrink rounded to x's dtype, as promised."""
-    batch = x.shape[0]
-    flat = x.double().reshape(batch, -1, x.shape[-1])
-    shrunk = (flat @ a[rows[:batch]].double().transpose(1, 2)).to(x.dtype).double()
-    return (shrunk @ b[rows[:batch]].double().transpose(1, 2)).reshape(*x.shape[:-1], b.shape[1])
+def exact_delta(x, a, b, rows):
+    """float64 round(x[i] @ a[rows[i]]ᵀ) @ b[rows[i]]: the shrink rounded to x's dtype, as promised."""
+    slot = rows[:x.shape[0]]
+    shrunk = (x.double() @ a[slot].double().transpose(1, 2)).to(x.dtype).double()
+    return shrunk @ b[slot].double()
 
 
-SHAPES = [(1, 1, K), (8, 1, K), (2, 5, K), (1, 40, K), (3, 7, K)]
+def check(got, y, x, a, b, rtol):
+    delta = exact_delta(x, a, b, ROWS)
+    # One rounding of the delta and one of the sum, each at most half a step of the larger value.
+    bound = rtol * (delta.abs().max() + y.double().abs().max())
+    assert (got.double() - y.double() - delta).abs().max() <= bound
+    none = ROWS[:x.shape[0]] == 0
+    assert torch.equal(got[none], y[none])  # rows without an adapter are the base's output
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_reference_is_each_rows_product(dtype, shape):
-    a, b = pairs(dtype)
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = torch.ops.qrt.lora_delta(x, a, b, ROWS).double()
-    want = exact(x, a, b, ROWS)
-    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
-    assert (got - want).abs().max() <= rtol * want.abs().max()
-    assert not got[ROWS[:shape[0]] == 0].any()  # rows without an adapter get nothing
+@pytest.mark.parametrize("rows, tokens", SHAPES)
+def test_reference_adds_each_rows_product(dtype, rows, tokens):
+    y, x, a, b = operands(dtype, rows, tokens, seed=1)
+    check(torch.ops.qrt.lora_add(y, x, a, b, ROWS), y, x, a, b, 1e-5 if dtype == torch.float32 else 2**-7)
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_cpu_kernel_equals_the_reference(dtype, shape):
-    assert lora_delta_op(torch.device("cpu"), dtype) is torch.ops.qrt_cpu.lora_delta
-    a, b = pairs(dtype, seed=2)
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    got = torch.ops.qrt_cpu.lora_delta(x, a, b, ROWS).double()
-    want = exact(x, a, b, ROWS)
+@pytest.mark.parametrize("rows, tokens", SHAPES)
+def test_cpu_kernel_adds_each_rows_product(dtype, rows, tokens):
+    assert lora_add_op(torch.device("cpu"), dtype) is torch.ops.qrt_cpu.lora_add
+    y, x, a, b = operands(dtype, rows, tokens, seed=2)
     # fp32 sums in another order; in bf16 a shrunk value may round the other way (one bf16 step of
-    # one of W terms) and the output is rounded once more.
-    rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
-    assert (got - want).abs().max() <= rtol * want.abs().max()
-    assert not got[ROWS[:shape[0]] == 0].any()
+    # one of W terms) besides the two roundings.
+    check(torch.ops.qrt_cpu.lora_add(y, x, a, b, ROWS), y, x, a, b, 1e-5 if dtype == torch.float32 else 2**-6)
 
 
 @needs_native
 def test_cpu_kernel_rows_do_not_depend_on_their_batch():
-    a, b = pairs(torch.bfloat16, seed=4)
-    x = torch.randn(8, 1, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    together = torch.ops.qrt_cpu.lora_delta(x, a, b, ROWS)
+    y, x, a, b = operands(torch.bfloat16, 8, 1, seed=4)
+    together = torch.ops.qrt_cpu.lora_add(y, x, a, b, ROWS)
     for row in range(8):
-        alone = torch.ops.qrt_cpu.lora_delta(x[row:row + 1], a, b, ROWS[row:row + 1])
+        alone = torch.ops.qrt_cpu.lora_add(y[row:row + 1], x[row:row + 1], a, b, ROWS[row:row + 1])
         assert torch.equal(alone[0], together[row])
 
 
 @needs_native
 def test_cpu_kernel_refuses_a_slot_outside_the_stack():
-    a, b = pairs(torch.float32)
+    y, x, a, b = operands(torch.float32, 1, 1)
     with pytest.raises(RuntimeError, match="adapter slot 9 of row 0 is outside the 5 slots"):
-        torch.ops.qrt_cpu.lora_delta(torch.randn(1, 1, K), a, b, torch.tensor([9]))
+        torch.ops.qrt_cpu.lora_add(y, x, a, b, torch.tensor([9]))

@@ -198,9 +198,9 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, slots, first, last, scale, softcap, k_scale, v_scale, sinks=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("qrt_cpu::lora_delta")
-    def _(x, a, b, rows):
-        return x.new_empty(*x.shape[:-1], b.shape[1])
+    @torch.library.register_fake("qrt_cpu::lora_add")
+    def _(y, x, a, b, rows):
+        return torch.empty_like(y, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("qrt_cpu::shm_all_reduce")
     def _(x, handle):

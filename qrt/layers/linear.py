@@ -268,7 +268,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
         if self.lora is not None:  # before the all-reduce: a row-parallel delta is a partial sum too
-            y = y + self.lora(x)
+            y = self.lora(y, x)
         if self.splits_input:
             y = all_reduce(y, self.parallel)
         if self.gather_output:

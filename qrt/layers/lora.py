@@ -10,8 +10,8 @@ none, share one compiled step. Loading or dropping an adapter writes into the st
 the graphs never change, so nothing recompiles.
 
 A fused layer (q/k/v, gate/up) stacks its shards' A along the rank axis ([n·R, K]) and keeps B
-block-diagonal ([N, n·R]: shard i's output rows read only its own R columns), so the layer's
-delta is still two products, at the price of multiplying by zeros off the diagonal.
+block-diagonal (held transposed, [n·R, N]: shard i's output columns read only its own R rows), so
+the layer's delta is still two products, at the price of multiplying by zeros off the diagonal.
 
 Tensor parallelism: a column-parallel layer holds A whole and its rank's rows of B; a row-parallel
 one its rank's columns of A and B whole, so its delta is a partial sum like the base's, which the
@@ -21,12 +21,12 @@ layer's all-reduce adds up.
 import torch
 from torch import nn
 
-from qrt.kernels.lora_cpu import lora_delta_op
+from qrt.kernels.lora_cpu import lora_add_op
 
 
 class LoraWeights(nn.Module):
-    """The adapter slots of one Linear: a [slots + 1, n·R, K] and b [slots + 1, N, n·R] (slot 0
-    zeros), in the model dtype, with the shared row table."""
+    """The adapter slots of one Linear: a [slots + 1, n·R, K] and b [slots + 1, n·R, N] (B
+    transposed; slot 0 zeros), in the model dtype, with the shared row table."""
 
     def __init__(self, slots: int, rank: int, shard_rows: list[tuple[int, int]], input_size: int,
                  rows: torch.Tensor, dtype: torch.dtype, device):
@@ -37,13 +37,13 @@ class LoraWeights(nn.Module):
         output_size = sum(size for _, size in shard_rows)
         width = rank * len(shard_rows)
         self.register_buffer("a", torch.zeros(slots + 1, width, input_size, dtype=dtype, device=device))  # [S+1, nR, K]
-        self.register_buffer("b", torch.zeros(slots + 1, output_size, width, dtype=dtype, device=device))  # [S+1, N, nR]
+        self.register_buffer("b", torch.zeros(slots + 1, width, output_size, dtype=dtype, device=device))  # [S+1, nR, N]
         self.register_buffer("rows", rows)  # [R] int64, shared by every LoraWeights of the model
-        self.delta_op = lora_delta_op(torch.device(device), dtype)
+        self.add_op = lora_add_op(torch.device(device), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, ..., K] -> the delta [B, ..., N] of each batch row's adapter."""
-        return self.delta_op(x, self.a, self.b, self.rows)
+    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y [B, ..., N], the base's output for x [B, ..., K] -> y plus each batch row's adapter product."""
+        return self.add_op(y, x, self.a, self.b, self.rows)
 
     @torch.no_grad()
     def write(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -56,7 +56,7 @@ class LoraWeights(nn.Module):
                              f"{self.a.shape[2]} inputs")
         columns = slice(shard * self.rank, shard * self.rank + r)
         self.a[slot, columns] = a.to(self.a.dtype)
-        self.b[slot, offset:offset + size, columns] = b.to(self.b.dtype)
+        self.b[slot, columns, offset:offset + size] = b.t().to(self.b.dtype)
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
