@@ -394,3 +394,30 @@ def test_compiled_float32_at_tp4_matches_the_producers_reference_or_is_refused(n
     else:
         assert got["refused"] and re.search(r"input (features|channels).*(128 input features per entry|multiple of "
                                             r"group_size=128)", got["refused"]), got["refused"]
+
+
+# A LoRA adapter beside each producer's weight-only format: against PEFT over the producer's
+# reference (its own dequantized weights), at the float32 bound of the base alone.
+LORA_BASES = ("gptqmodel-w4g128-sym", "gptqmodel-w4g128-actorder", "autoawq-w4g128-gemm", "llmc-w4a16-asym",
+              "bnb-nf4", "llmc-nvfp4a16", "llmc-mxfp4a16")
+
+
+@pytest.mark.parametrize("name", LORA_BASES)
+def test_a_lora_adapter_on_the_producers_weights_matches_peft_over_the_reference(name, tmp_path):
+    import copy
+
+    from helpers.lora_adapters import peft_logits, peft_over_model, random_peft_adapter
+
+    folder, info = variant(name)
+    model = runtime.compile_model(folder, dtype=torch.float32, compile=False, cache=False, progress=False,
+                                  max_seq_len=64, max_loras=1)
+    adapter = random_peft_adapter(model.model.config, tmp_path / "adapter", seed=3)
+    model.load_lora("a", adapter)
+    model.lora.bind(0, model.lora.residents["a"])
+    ours = teacher_forced_logits(model, IDS, PREFILL)
+    reference = peft_over_model(copy.deepcopy(reference_model(name, "float32")), adapter)
+    theirs = peft_logits(reference, torch.tensor([IDS]))[0, PREFILL - 1:]
+    base = reference_logits(name, 1)
+    assert relative_l2(theirs, base) > 100 * SUMMATION_ORDER  # the adapter moves the logits
+    error = relative_l2(ours, theirs)
+    assert error < drift_bound(name, 1, "float32"), f"{name} ({info['scheme']}) with LoRA: logits off by {error:.2e}"
