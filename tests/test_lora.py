@@ -214,7 +214,7 @@ def test_frozen_build_and_unknown_names_are_refused(files, served):
 # Every base format: each adapted layer's output gains exactly scaling · B A x for the rows that
 # run the adapter and nothing for the others, whatever kernel runs the base. The quick loop runs
 # one case per family of base kernel; `make test-slow` every case.
-QUICK_BASES = {"none", "online:int4", "online:fp8", "stored:gptq", "stored:gguf", "stored:bitsandbytes"}
+QUICK_BASES = {"none", "stored:gptq", "stored:gguf", "stored:bitsandbytes"}
 
 
 @pytest.mark.parametrize("name", [n if n in QUICK_BASES else pytest.param(n, marks=pytest.mark.slow)

@@ -92,6 +92,7 @@ def complete(client, model: str) -> str:
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0).choices[0].text
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_models_lists_the_base_and_each_adapter_with_its_parent(client, adapters):
     cards = {card.id: card.model_dump() for card in client.models.list().data}
     assert list(cards) == [NAME, "poem", "sql"]
@@ -101,6 +102,7 @@ def test_models_lists_the_base_and_each_adapter_with_its_parent(client, adapters
             "max_model_len": MAX_SEQ_LEN}
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_each_adapter_answers_what_generate_gives_with_it(client, lora_model):
     base = lora_model.generate(PROMPT, TOKENS)
     for name in ("sql", "poem"):
@@ -119,6 +121,7 @@ def test_each_adapter_answers_what_generate_gives_with_it(client, lora_model):
     assert answers == [lora_model.generate(PROMPT, TOKENS, lora=None if n == NAME else n) for n in names]
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_an_unknown_model_is_a_404_that_lists_the_known_ones(client):
     with pytest.raises(openai.NotFoundError) as caught:
         complete(client, "nonesuch")
@@ -127,6 +130,7 @@ def test_an_unknown_model_is_a_404_that_lists_the_known_ones(client):
     assert all(repr(name) in error["message"] for name in (NAME, "sql", "poem")), error["message"]
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_an_adapter_loaded_at_runtime_serves_until_unloaded(server, client, lora_model, adapters):
     started = time.perf_counter()
     reply = load(server.url, "third", adapters["third"])
@@ -150,6 +154,7 @@ def test_an_adapter_loaded_at_runtime_serves_until_unloaded(server, client, lora
     assert reply.status_code == 404 and reply.json()["error"]["param"] == "lora_name"
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_adapters_the_slots_cannot_take_are_400s_naming_the_field(server, adapters, tmp_path):
     def refused(body, param, *words):
         reply = post(server.url, "/v1/load_lora_adapter", body)
@@ -176,6 +181,7 @@ def test_adapters_the_slots_cannot_take_are_400s_naming_the_field(server, adapte
     assert reply.status_code == 401  # behind the API key, like every /v1 route
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_loading_and_unloading_compile_nothing_in_the_server(server, client, adapters):
     before = metrics(server.url)["qrt_compiled_graphs"]
     for _ in range(2):
@@ -186,6 +192,7 @@ def test_loading_and_unloading_compile_nothing_in_the_server(server, client, ada
     assert metrics(server.url)["qrt_compiled_graphs"] == before
 
 
+@pytest.mark.slow  # a live server (or its model) compiled with adapter slots: `make test-slow`
 def test_runtime_loading_is_off_without_the_flag_and_under_replicas(lora_model, adapters):
     from fastapi.testclient import TestClient
 
