@@ -103,3 +103,17 @@ def test_the_command_line_takes_a_hub_id_and_a_revision(hub, llama_dir, capsys):
     assert f"checkpoint:    {older}" in capsys.readouterr().out
     assert main(["inspect", "tiny-org/absent-model"]) == 2
     assert "HF_HUB_OFFLINE" in capsys.readouterr().err
+
+
+def test_a_lora_adapter_by_hub_id_is_its_cached_snapshot(hub, llama_dir, tmp_path):
+    from helpers.lora_adapters import make_peft_adapter
+
+    adapter = make_peft_adapter(llama_dir, tmp_path / "adapter", seed=5)
+    add_snapshot(hub, "tiny-org/tiny-lora", "c" * 40, folder_files(adapter))
+    from_hub = compile_model(llama_dir, compile=False, progress=False, lora={"a": "tiny-org/tiny-lora"})
+    from_folder = compile_model(llama_dir, compile=False, progress=False, lora={"a": adapter})
+    assert from_hub.lora.residents["a"].path == hub / "models--tiny-org--tiny-lora" / "snapshots" / ("c" * 40)
+    prompt = [1, 5, 9, 3, 7]
+    assert from_hub.generate(prompt, 8, lora="a") == from_folder.generate(prompt, 8, lora="a")
+    with pytest.raises(CheckpointError, match="tiny-org/no-lora"):
+        compile_model(llama_dir, compile=False, progress=False, lora={"a": "tiny-org/no-lora"})

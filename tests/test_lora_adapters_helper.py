@@ -6,10 +6,10 @@ import torch
 
 from helpers.checkpoints.tiny import make_checkpoint, random_ids
 from helpers.lora_adapters import (ALL_PROJECTIONS, adapter_config, adapter_tensors, make_peft_adapter,
+                                   peft_logits, peft_over_model, peft_reference)
 
 # The adapters' producer checked against PEFT's own files; the LoRA tests use it in the quick loop.
 pytestmark = pytest.mark.slow
-                                   peft_logits, peft_over_model, peft_reference)
 
 LAYERS = 2
 
