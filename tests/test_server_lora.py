@@ -50,17 +50,10 @@ def lora_model(chat_llama_dir, adapters):
 
 @pytest.fixture(scope="module")
 def server(chat_llama_dir, adapters, lora_model, tmp_path_factory):
-    port = free_port()
-    command = [sys.executable, "-m", "qrt", "serve", str(chat_llama_dir), "--port", str(port),
-               "--max-batch", str(SLOTS), "--max-seq-len", str(MAX_SEQ_LEN), "--api-key", KEY,
-               "--served-model-name", NAME, "--lora", f"sql={adapters['sql']}", "--lora", f"poem={adapters['poem']}",
-               "--allow-runtime-lora", "--max-loras", str(MAX_LORAS)]
-    srv = ServerProcess(command, port, "/health", tmp_path_factory.mktemp("server-lora-log") / "server.log")
-    try:
+    log = tmp_path_factory.mktemp("server-lora-log") / "server.log"
+    with _serve_with_adapters(chat_llama_dir, adapters, log, sys.executable) as srv:
         srv.wait_ready(START_TIMEOUT_S)
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +249,9 @@ def test_generate_runs_the_prompt_with_the_adapter_use_lora_names(chat_llama_dir
 
 
 def _serve_with_adapters(chat_llama_dir, adapters, log_path, *launch: str, flags=()) -> ServerProcess:
-    """`qrt serve` of the tiny chat model with the two startup adapters and the module server's
-    slots (so that every process finds lora_model's graphs in the run's compile cache)."""
+    """`qrt serve` of the tiny chat model with the two startup adapters, `--allow-runtime-lora`
+    and the module server's slots (so that every process finds lora_model's graphs in the run's
+    compile cache), run by `launch` (the interpreter, or torchrun) with `flags` added."""
     port = free_port()
     command = [*launch, "-m", "qrt", "--threads", "1" if "--tp" in flags else "2", "serve", str(chat_llama_dir),
                "--port", str(port), "--max-batch", str(SLOTS), "--max-seq-len", str(MAX_SEQ_LEN), "--api-key", KEY,
@@ -282,7 +276,7 @@ def _startup_adapters_serve(server, lora_model, adapters, refusal: str) -> None:
 def test_startup_adapters_are_served_by_every_replica(chat_llama_dir, adapters, lora_model, tmp_path):
     server = _serve_with_adapters(chat_llama_dir, adapters, tmp_path / "front.log", sys.executable,
                                   flags=("--replicas", "2"))
-    try:
+    with server:
         server.wait_ready(START_TIMEOUT_S)
         _startup_adapters_serve(server, lora_model, adapters, "--replicas")
         # Each replica itself serves the adapters, and none loads any at runtime (the front keeps the flag).
@@ -292,8 +286,6 @@ def test_startup_adapters_are_served_by_every_replica(chat_llama_dir, adapters, 
             assert complete(client, "sql") == lora_model.generate(PROMPT, TOKENS, lora="sql")
             reply = load(url, "third", adapters["third"])
             assert reply.status_code == 404 and "--allow-runtime-lora" in reply.text
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow  # two ranks compile the tiny model: `make test-slow`
@@ -301,8 +293,6 @@ def test_startup_adapters_are_served_under_tp(chat_llama_dir, adapters, lora_mod
     launch = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(free_port()))
     server = _serve_with_adapters(chat_llama_dir, adapters, tmp_path / "server.log", *launch, flags=("--tp", "2"))
-    try:
+    with server:
         server.wait_ready(START_TIMEOUT_S)
         _startup_adapters_serve(server, lora_model, adapters, "--tp")
-    finally:
-        server.stop()

@@ -156,8 +156,8 @@ def compile_model(
             check_unsupported_build(build)
         lora_set = LoraSet.attach(model, max_loras or max(len(adapters), 1), max_lora_rank,
                                   lora_targets or targets_of(adapters.values(), model))
-        for name, (folder, adapter) in adapters.items():
-            lora_set.load(name, folder, adapter=adapter)
+        for name, adapter in adapters.items():
+            lora_set.add(name, adapter)
     tokenizer = checkpoint.load_tokenizer()
     compile_cache = None
     if compile and cache and build == "regional":

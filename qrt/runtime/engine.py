@@ -249,7 +249,7 @@ class Engine:
             prompt = list(seq.request.prompt)
             adapters = self.model.lora
             if adapters is not None:
-                seq.adapter = self._guarded(seq, adapters.acquire, seq.request.lora)
+                seq.adapter = self._guarded(seq, adapters.resident, seq.request.lora)
                 if seq.done:  # its adapter was unloaded while it waited
                     continue
             elif seq.request.lora is not None:
@@ -465,9 +465,9 @@ class Engine:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
-        if seq.adapter is not None:
-            self.model.lora.release(seq.slot, seq.adapter)
-            seq.adapter = None
+        if seq.adapter is not None and seq.slot is not None:  # its adapter's slot may free now
+            self.model.lora.bind(seq.slot, None)
+        seq.adapter = None
         if seq.slot is not None:
             self.slots[seq.slot] = None
             self.prefix_cache.freed(seq.slot)

@@ -52,18 +52,17 @@ class NoFreeSlot(ValueError):
     """Every adapter slot holds an adapter (or one unloaded whose requests still run)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resident:
     """An adapter in a slot. `identity` is new on every load, so that KV-cache prefixes computed
-    with an adapter are never reused under another one loaded later under the same name."""
+    with an adapter are never reused under another one loaded later under the same name. Its slot
+    stays taken while a KV-cache slot's request runs with it (`LoraSet.kv_slots`), unloaded or not."""
 
     name: str
     path: Path
     slot: int
     identity: int
     rank: int
-    users: int = 0  # requests bound to it now
-    dropped: bool = False  # unloaded while in use: its slot frees when its last request ends
 
 
 @dataclass
@@ -115,14 +114,15 @@ class LoraSet:
         return {"slots": self.max_loras, "rank": self.max_rank, "layers": sorted(self.layers)}
 
     # ---- adapters ------------------------------------------------------------------------------
-    def load(self, name: str, path, progress: bool = False, adapter: LoraAdapter | None = None) -> Resident:
-        """Read the adapter at `path` (a folder or a hub id; or take it read already, `adapter`)
-        into a free slot under `name`."""
+    def load(self, name: str, path, progress: bool = False) -> Resident:
+        """Read the adapter at `path` (a folder or a hub id) into a free slot under `name`."""
+        return self.add(name, read_adapter(locate_adapter(path, progress=progress)))
+
+    def add(self, name: str, adapter: LoraAdapter) -> Resident:
+        """Put an adapter already read into a free slot under `name`."""
         check_name(name)
         if name in self.residents:
             raise ValueError(f"a LoRA adapter named {name!r} is loaded already; unload it first")
-        folder = locate_adapter(path, progress=progress) if adapter is None else adapter.path
-        adapter = adapter or read_adapter(folder)
         placed = self._place(adapter)  # checks everything before a slot is touched
         taken = {r.slot for r in self.residents.values()} | {r.slot for r in self.kv_slots if r is not None}
         free = [s for s in range(1, self.max_loras + 1) if s not in taken]
@@ -135,17 +135,15 @@ class LoraSet:
         for lora, shard, a, b in placed:
             lora.write(slot, shard, a, b)
         self._identities += 1
-        resident = Resident(name, Path(folder), slot, self._identities, adapter.rank)
+        resident = Resident(name, adapter.path, slot, self._identities, adapter.rank)
         self.residents[name] = resident
         return resident
 
     def unload(self, name: str) -> None:
         """Drop adapter `name`: new requests can no longer name it; requests running with it
         finish with it, and its slot frees after the last."""
-        resident = self.residents.pop(name, None)
-        if resident is None:
+        if self.residents.pop(name, None) is None:
             raise UnknownAdapter(name, sorted(self.residents))
-        resident.dropped = True
 
     def _place(self, adapter: LoraAdapter) -> list:
         """(LoraWeights, shard index, A, B·scaling) of each of the adapter's modules, cut to this
@@ -178,26 +176,18 @@ class LoraSet:
         return placed
 
     # ---- requests --------------------------------------------------------------------------------
-    def acquire(self, name: str | None) -> Resident | None:
-        """The adapter a new request names, counted as in use (None: the base alone)."""
+    def resident(self, name: str | None) -> Resident | None:
+        """The loaded adapter a new request names (None: the base alone)."""
         if name is None:
             return None
-        resident = self.residents.get(name)
-        if resident is None:
+        if name not in self.residents:
             raise UnknownAdapter(name, sorted(self.residents))
-        resident.users += 1
-        return resident
+        return self.residents[name]
 
     def bind(self, kv_slot: int, resident: Resident | None) -> None:
-        """The request in KV-cache slot `kv_slot` runs with `resident` (None: no adapter)."""
+        """The request in KV-cache slot `kv_slot` runs with `resident` (None: no adapter, or the
+        slot's request ended)."""
         self.kv_slots[kv_slot] = resident
-
-    def release(self, kv_slot: int | None, resident: Resident | None) -> None:
-        """A request with `resident` ended (and left `kv_slot`, where it had one)."""
-        if kv_slot is not None and self.kv_slots[kv_slot] is resident:
-            self.kv_slots[kv_slot] = None
-        if resident is not None:
-            resident.users -= 1
 
     def route(self, role: str, inputs: dict) -> None:
         """Write the adapter slot of each batch row of `role`'s graph call (inputs by name)
@@ -221,24 +211,21 @@ def check_name(name) -> None:
 
 
 def lora_adapters(lora: dict | None, progress: bool) -> dict:
-    """{name: (folder, LoraAdapter)} of compile_model's `lora` ({name: folder or hub id}), read."""
+    """{name: LoraAdapter} of compile_model's `lora` ({name: folder or hub id}), read."""
     if lora is None:
         return {}
     if not isinstance(lora, dict):
         raise ValueError(f"lora= takes {{name: adapter folder or hub id}}, got {type(lora).__name__}")
-    read = {}
-    for name, path in lora.items():
+    for name in lora:
         check_name(name)
-        folder = locate_adapter(path, progress=progress)
-        read[name] = (folder, read_adapter(folder))
-    return read
+    return {name: read_adapter(locate_adapter(path, progress=progress)) for name, path in lora.items()}
 
 
 def targets_of(adapters, model) -> list[str]:
-    """The leaf names that need adapter slots: those the adapters ((folder, LoraAdapter) pairs)
-    adapt, or with none, the default projections the model has."""
+    """The leaf names that need adapter slots: those the adapters (LoraAdapters) adapt, or with
+    none, the default projections the model has."""
     wanted = set()
-    for _, adapter in adapters:
+    for adapter in adapters:
         wanted |= leaves_of(adapter)
     if wanted:
         return sorted(wanted)

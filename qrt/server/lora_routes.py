@@ -108,7 +108,7 @@ def _place(lora: LoraSet, name: str, adapter: LoraAdapter):
     if name in lora.residents:
         raise ApiError(400, f"a LoRA adapter named {name!r} is loaded already; unload it first", param="lora_name")
     try:
-        return lora.load(name, adapter.path, adapter=adapter)
+        return lora.add(name, adapter)
     except NoFreeSlot as err:  # no field is at fault
         raise ApiError(400, f"{err} (POST /v1/unload_lora_adapter, or start the server with a larger --max-loras)") \
             from None
