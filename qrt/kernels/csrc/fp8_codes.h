@@ -1,6 +1,7 @@
 // e4m3 codes on AVX-512, shared by qrt's fp8 kernels (quantized_cpu.cpp, fp8_pairs_cpu.cpp): the
 // table lookup that widens codes to bf16, and the activations' quantization to e4m3 exactly as the
-// reference ops compute it.
+// reference ops compute it. Its loader of bf16 or fp32 activations (and `mask16`) serves the LoRA
+// kernel too (lora_cpu.cpp).
 
 #pragma once
 

@@ -22,27 +22,30 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
+
+#include "fp8_codes.h"
 
 namespace {
 
 constexpr int64_t kFewTokens = 16;  // tokens in all, up to which the dot-product loop runs
 
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+using qrt_fp8::mask16;
 
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// 16 values of T (bf16 or fp32) from p, up to `mask`, as fp32: fp8_codes.h's activation loader,
+// its dtype known when compiled.
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 mask) {
+  return qrt_fp8::load_activations(p, std::is_same_v<T, at::BFloat16>, 0, mask);
 }
-
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
 
 // sum_j u[j] * v[j] over n values, u in T, v in fp32.
 template <typename T>
 inline float dot(const T* u, const float* v, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = tail_mask(n - j);
+    const __mmask16 mask = mask16(n - j);
     acc = _mm512_fmadd_ps(load16(u + j, mask), load16(v + j, mask), acc);
   }
   return _mm512_reduce_add_ps(acc);
@@ -109,7 +112,7 @@ void few_tokens(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, c
           __m512 scale[4];
           for (int64_t g = 0; g < some; ++g) scale[g] = _mm512_set1_ps(shrunk[(g0 + g) * width + w]);
           for (int64_t j = begin; j < end; j += 16) {
-            const __mmask16 mask = tail_mask(end - j);
+            const __mmask16 mask = mask16(end - j);
             const __m512 value = load16(row + j, mask);
             for (int64_t g = 0; g < some; ++g) {
               float* sum = sums.data() + (g0 + g) * n + j;
