@@ -18,10 +18,16 @@ after another, streamed, greedy, with a prompt from the eval text of a length dr
   the first, the median over requests (where a step sends several tokens at once, ITL's median
   can be a zero gap inside such a burst; TPOT counts every token);
 - failures: any status but 200, a stream without [DONE], or a transport error.
-Then a soak (--soak seconds, --soak-clients clients) in which about --cancel-rate of the requests
-are abandoned on purpose: streams closed after a few chunks, or non-streaming requests whose client
-stops waiting. It counts failures among the rest, and reads /metrics afterwards: every slot must
-be free and the queue empty.
+Then a soak (--soak seconds, --soak-clients clients) of a mix of requests: streamed completions,
+chat completions held to a JSON schema, completions with log-probabilities of the echoed prompt,
+and streamed completions of long prompts (about three quarters of --max-seq-len); about
+--cancel-rate of them are abandoned on purpose (streams closed after a few chunks, or
+non-streaming requests whose client stops waiting). Each kept reply is checked (a stream ends in
+[DONE], a schema reply that finished parses and has the schema's keys, the log-probabilities
+cover every prompt and completion token). It counts failures, reads /metrics afterwards (every
+slot must be free and the queue empty), and compares the server's resident memory (every process
+of its group) at the end with that after --soak-warmup seconds of the same mix: the target is
+within 5%.
 
 With --shared-prefix N, every prompt starts with the same N tokens of text (a chat application's
 system prompt), and with --compare-prefix-caching the levels run again on a server started with
@@ -99,6 +105,11 @@ def parse_args(argv=None):
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--soak", type=float, default=300, help="soak seconds, 0 to skip (default: 300)")
     parser.add_argument("--soak-clients", type=int, default=8)
+    parser.add_argument("--soak-warmup", type=float, default=60,
+                        help="seconds of the soak's mix before its resident memory is taken as the baseline (default: 60)")
+    parser.add_argument("--soak-long-tokens", type=int, default=None,
+                        help="the soak's long prompts, in tokens of about 4 characters (default: three quarters "
+                             "of --max-seq-len, less --max-tokens)")
     parser.add_argument("--cancel-rate", type=float, default=0.25)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads of each server, qrt's and llama.cpp's alike (default: every core)")
@@ -258,10 +269,103 @@ class Client:
         return record
 
 
-def run_clients(url: str, model: str, count: int, seconds: float, args, seed: int, cancel_rate: float = 0.0):
+# The soak's structured requests: short values, so that a reply fits its max_tokens.
+SOAK_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "kind", "good"],
+               "properties": {"title": {"type": "string", "maxLength": 40},
+                              "kind": {"enum": ["story", "report", "letter", "other"]},
+                              "good": {"type": "boolean"}}}
+
+
+class SoakClient(Client):
+    """A soak client: each request it keeps is one of SOAK_KINDS, drawn at random, and its reply is
+    checked; the rest (cancel_rate) are abandoned as Client abandons them."""
+
+    def __init__(self, *args, long_tokens: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.long_prompts = prompts([long_tokens], self.rng.randrange(1 << 30))
+
+    def run(self) -> None:
+        with httpx.Client(timeout=300) as http:
+            while time.monotonic() < self.stop_at:
+                prompt = next(self.prompts)
+                if self.rng.random() < self.cancel_rate:
+                    self.records.append(self.abandon(http, prompt))
+                    continue
+                kind = self.rng.choice(SOAK_KINDS)
+                record = self.long(http) if kind == "long" else getattr(self, kind)(http, prompt)
+                record["kind"] = kind
+                self.records.append(record)
+
+    def long(self, http) -> dict:
+        return self.stream(http, next(self.long_prompts))
+
+    def structured(self, http, prompt: tuple[str, int | None]) -> dict:
+        """A chat completion held to SOAK_SCHEMA; one that finished must parse and have its keys."""
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": "Describe this text as JSON: " + prompt[0][:600]}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "text", "schema": SOAK_SCHEMA}}}
+        return self.checked(http, "/v1/chat/completions", body, check_schema_reply)
+
+    def logprobs(self, http, prompt: tuple[str, int | None]) -> dict:
+        """An echoed prompt scored with its top 5 alternatives, as lm-eval asks, and 8 new tokens."""
+        body = {"model": self.model, "prompt": prompt[0], "max_tokens": 8, "temperature": 0, "echo": True,
+                "logprobs": 5}
+        return self.checked(http, "/v1/completions", body, check_logprobs_reply)
+
+    def checked(self, http, path: str, body: dict, check) -> dict:
+        record = {"sent": time.monotonic(), "ok": False, "chunks": [], "tokens": 0}
+        try:
+            reply = http.post(self.url + path, json=body)
+            record["status"] = reply.status_code
+            if reply.status_code != 200:
+                record["error"] = reply.text[:200]
+            else:
+                payload = reply.json()
+                record["error"] = check(payload)
+                record["ok"] = record["error"] is None
+                record["tokens"] = payload["usage"]["completion_tokens"]
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            record["error"] = f"{type(err).__name__}: {err}"
+        record["done"] = time.monotonic()
+        return record
+
+
+def check_schema_reply(payload: dict) -> str | None:
+    choice = payload["choices"][0]
+    if choice["finish_reason"] != "stop":  # cut by max_tokens: a prefix of valid JSON, nothing to check
+        return None
+    try:
+        value = json.loads(choice["message"]["content"])
+    except ValueError as err:
+        return f"schema reply is not JSON ({err}): {choice['message']['content'][:80]!r}"
+    if not isinstance(value, dict) or set(value) != set(SOAK_SCHEMA["required"]):
+        return f"schema reply has the wrong keys: {value!r:.80}"
+    return None
+
+
+def check_logprobs_reply(payload: dict) -> str | None:
+    logprobs, usage = payload["choices"][0]["logprobs"], payload["usage"]
+    expected = usage["prompt_tokens"] + usage["completion_tokens"]
+    lengths = {len(logprobs[key]) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    if lengths != {expected}:
+        return f"logprobs lists of lengths {sorted(lengths)} for {expected} tokens"
+    if any(top is not None and not 1 <= len(top) <= 6 for top in logprobs["top_logprobs"]):
+        return "a token with more alternatives than asked for"
+    return None
+
+
+SOAK_KINDS = ("stream", "structured", "logprobs", "long")
+
+
+def run_clients(url: str, model: str, count: int, seconds: float, args, seed: int, cancel_rate: float = 0.0,
+                mix: bool = False):
+    """count clients for `seconds`; mix: SoakClients, with the soak's mix of requests."""
     start = time.monotonic()
-    clients = [Client(url, model, args.lengths, args.max_tokens, seed + 7919 * i, start + seconds, cancel_rate,
-                      args.shared_prefix, args.grounded) for i in range(count)]
+    long_tokens = args.soak_long_tokens or args.max_seq_len * 3 // 4 - args.max_tokens
+    extra = {"long_tokens": long_tokens} if mix else {}
+    clients = [(SoakClient if mix else Client)(url, model, args.lengths, args.max_tokens, seed + 7919 * i,
+                                               start + seconds, cancel_rate, args.shared_prefix, args.grounded,
+                                               **extra) for i in range(count)]
     for client in clients:
         client.thread.start()
     for client in clients:
@@ -314,26 +418,61 @@ def load_levels(url: str, model: str, args, engine: str) -> list[dict]:
     return rows
 
 
-def soak(url: str, model: str, args) -> dict:
-    print(f"[serve_load] soak: {args.soak_clients} clients for {args.soak:.0f} s, about "
-          f"{args.cancel_rate:.0%} of requests abandoned", file=sys.stderr, flush=True)
+def group_rss_mib(leader: int) -> float:
+    """Resident memory of every process in the group `leader` leads (the server and its replicas or
+    ranks), from /proc."""
+    total_kib = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+            if int(fields[2]) != leader:
+                continue
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while being read
+        match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        total_kib += int(match.group(1)) if match else 0
+    return total_kib / 1024
+
+
+def soak(url: str, model: str, args, server_pid: int) -> dict:
+    print(f"[serve_load] soak: {args.soak_clients} clients, {args.soak_warmup:.0f} s of warm-up then "
+          f"{args.soak:.0f} s, about {args.cancel_rate:.0%} of requests abandoned", file=sys.stderr, flush=True)
+    warmup, _, _ = run_clients(url, model, args.soak_clients, args.soak_warmup, args, seed=998,
+                               cancel_rate=args.cancel_rate, mix=True)
+    rss_warm = group_rss_mib(server_pid)
     before = metrics(url)
+    samples = []  # (seconds into the soak, resident MiB), every 30 s
+    done = threading.Event()
+
+    def sample_rss(start=time.monotonic()):
+        while not done.wait(30):
+            samples.append((round(time.monotonic() - start), round(group_rss_mib(server_pid), 1)))
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
     records, start, end = run_clients(url, model, args.soak_clients, args.soak, args, seed=999,
-                                      cancel_rate=args.cancel_rate)
+                                      cancel_rate=args.cancel_rate, mix=True)
+    done.set()
     deadline = time.monotonic() + 30
     after = metrics(url)
     while (after["qrt_active_slots"] or after["qrt_queue_depth"]) and time.monotonic() < deadline:
         time.sleep(0.1)
         after = metrics(url)
+    rss_end = group_rss_mib(server_pid)
     abandoned = [r for r in records if r.get("abandoned")]
     summary = summarize(records, start, end)
+    kinds = {kind: {"requests": sum(r.get("kind") == kind for r in records),
+                    "failures": sum(r.get("kind") == kind and not r.get("ok") for r in records)}
+             for kind in SOAK_KINDS}
     outcomes = {k.split('"')[1]: v - before.get(k, 0) for k, v in after.items() if k.startswith("qrt_requests_total")}
-    return {"seconds": args.soak, "clients": args.soak_clients, "abandoned": len(abandoned),
-            "abandoned_errors": [r["error"] for r in abandoned if r.get("error")][:3],
-            "requests": summary["requests"], "failures": summary["failures"],
+    return {"seconds": args.soak, "clients": args.soak_clients, "warmup_s": args.soak_warmup,
+            "warmup_failures": sum(not r.get("ok") for r in warmup if not r.get("abandoned")),
+            "abandoned": len(abandoned), "abandoned_errors": [r["error"] for r in abandoned if r.get("error")][:3],
+            "requests": summary["requests"], "failures": summary["failures"], "kinds": kinds,
             "failure_examples": summary["failure_examples"], "outcomes_from_metrics": outcomes,
             "active_slots_after": after["qrt_active_slots"], "queue_depth_after": after["qrt_queue_depth"],
-            "slots": after["qrt_slots"]}
+            "slots": after["qrt_slots"], "rss_after_warmup_mib": rss_warm, "rss_end_mib": rss_end,
+            "rss_samples": samples}
 
 
 def qrt_server(args, log_dir: Path, prefix_caching: bool = True, speculative: bool = True) -> tuple[ServerProcess, str]:
@@ -411,6 +550,11 @@ def print_report(report: dict) -> None:
         print(f"soak: {s['requests']} measured requests + {s['abandoned']} abandoned over {s['seconds']:.0f} s with "
               f"{s['clients']} clients: {s['failures']} failures; afterwards {s['active_slots_after']:.0f} of "
               f"{s['slots']:.0f} slots busy, queue {s['queue_depth_after']:.0f}; outcomes {s['outcomes_from_metrics']}")
+        print("soak requests by kind: " + ", ".join(f"{kind} {v['requests']} ({v['failures']} failed)"
+                                                    for kind, v in s["kinds"].items()))
+        print(f"soak resident memory of the server: {s['rss_after_warmup_mib']:.1f} MiB after {s['warmup_s']:.0f} s "
+              f"of warm-up, {s['rss_end_mib']:.1f} MiB at the end "
+              f"({s['rss_end_mib'] / s['rss_after_warmup_mib'] - 1:+.1%})")
     if report.get("prompt_tokens"):
         print(f"prefix caching: {report['prefix_cache_reused_tokens']:.0f} of {report['prompt_tokens']:.0f} prompt "
               f"tokens sent to qrt were not prefilled (whole chunks a free slot held)")
@@ -441,6 +585,9 @@ def judge(report: dict) -> dict:
         clean = soak_result["failures"] == 0 and soak_result["active_slots_after"] == 0 \
             and soak_result["queue_depth_after"] == 0
         verdicts["soak: no failures, every slot free"] = "met" if clean else "MISSED"
+        growth = soak_result["rss_end_mib"] / soak_result["rss_after_warmup_mib"] - 1
+        verdicts["soak: resident memory at the end within 5% of after warm-up"] = \
+            f"{growth:+.1%} ({'met' if growth <= 0.05 else 'MISSED'})"
     return verdicts
 
 
@@ -466,7 +613,7 @@ def main(argv=None) -> int:
         if args.replicas != 1:
             report["routing"] = routing(served)
         if args.soak > 0:
-            report["soak"] = soak(server.url, name, args)
+            report["soak"] = soak(server.url, name, args, server.process.pid)
     report["qrt_exit_code_after_sigterm"] = server.process.returncode
     if args.compare_prefix_caching:
         uncached, name = qrt_server(args, log_dir, prefix_caching=False)

@@ -1,5 +1,5 @@
 """bench/serve_load.py end to end on the tiny chat Llama: a real server, two levels, a short soak
-with abandoned requests, the levels again without prefix caching, the table and the JSON. Tiny sizes measure nothing; the test checks that
+with abandoned, structured, log-probability and long requests, the levels again without prefix caching, the table and the JSON. Tiny sizes measure nothing; the test checks that
 every figure is there, nothing failed, and the soak left every slot free."""
 
 import importlib.util
@@ -19,7 +19,8 @@ def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
     report_path = tmp_path / "serve_load.json"
     result = subprocess.run([sys.executable, "-m", "bench.serve_load", str(chat_llama_dir), "--levels", "1,2",
                              "--duration", "3", "--prompt-tokens", "8,40", "--max-tokens", "12", "--max-batch", "2",
-                             "--max-seq-len", "256", "--soak", "6", "--soak-clients", "3", "--cancel-rate", "0.5",
+                             "--max-seq-len", "256", "--soak", "8", "--soak-clients", "3", "--cancel-rate", "0.3",
+                             "--soak-warmup", "2", "--soak-long-tokens", "40",
                              "--no-peer", "--shared-prefix", "8", "--compare-prefix-caching",
                              "--json", str(report_path), "--chart", str(tmp_path / "load.png")],
                             cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=900)
@@ -39,6 +40,9 @@ def test_serve_load_smoke_run(chat_llama_dir, tmp_path):
     soak = report["soak"]
     assert soak["failures"] == 0 and soak["abandoned"] >= 1, soak
     assert soak["active_slots_after"] == 0 and soak["queue_depth_after"] == 0
+    assert soak["warmup_failures"] == 0 and sum(kind["requests"] for kind in soak["kinds"].values()) >= 4, soak
+    assert soak["rss_after_warmup_mib"] > 50 and soak["rss_end_mib"] > 50, soak  # the server's group, read
+    assert "soak resident memory of the server" in result.stdout
     assert report["qrt_exit_code_after_sigterm"] == 0
     assert "llama.cpp skipped (--no-peer)" in report["notes"]
 
