@@ -211,7 +211,11 @@ class Client:
                 if self.rng.random() < self.cancel_rate:
                     self.records.append(self.abandon(http, prompt))
                 else:
-                    self.records.append(self.stream(http, prompt))
+                    self.records.append(self.keep(http, prompt))
+
+    def keep(self, http, prompt: tuple[str, int | None]) -> dict:
+        """A request not abandoned: here a streamed completion."""
+        return self.stream(http, prompt)
 
     def body(self, prompt: tuple[str, int | None], stream: bool) -> dict:
         text, most = prompt
@@ -284,19 +288,14 @@ class SoakClient(Client):
         super().__init__(*args, **kwargs)
         self.long_prompts = prompts([long_tokens], self.rng.randrange(1 << 30))
 
-    def run(self) -> None:
-        with httpx.Client(timeout=300) as http:
-            while time.monotonic() < self.stop_at:
-                prompt = next(self.prompts)
-                if self.rng.random() < self.cancel_rate:
-                    self.records.append(self.abandon(http, prompt))
-                    continue
-                kind = self.rng.choice(SOAK_KINDS)
-                record = self.long(http) if kind == "long" else getattr(self, kind)(http, prompt)
-                record["kind"] = kind
-                self.records.append(record)
+    def keep(self, http, prompt: tuple[str, int | None]) -> dict:
+        kind = self.rng.choice(SOAK_KINDS)
+        record = getattr(self, kind)(http, prompt)
+        record["kind"] = kind
+        return record
 
-    def long(self, http) -> dict:
+    def long(self, http, prompt: tuple[str, int | None]) -> dict:
+        """A streamed completion of a long prompt, drawn in place of `prompt`."""
         return self.stream(http, next(self.long_prompts))
 
     def structured(self, http, prompt: tuple[str, int | None]) -> dict:
@@ -445,9 +444,11 @@ def soak(url: str, model: str, args, server_pid: int) -> dict:
     samples = []  # (seconds into the soak, resident MiB), every 30 s
     done = threading.Event()
 
-    def sample_rss(start=time.monotonic()):
+    started = time.monotonic()
+
+    def sample_rss():
         while not done.wait(30):
-            samples.append((round(time.monotonic() - start), round(group_rss_mib(server_pid), 1)))
+            samples.append((round(time.monotonic() - started), round(group_rss_mib(server_pid), 1)))
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
     records, start, end = run_clients(url, model, args.soak_clients, args.soak, args, seed=999,
