@@ -1,8 +1,8 @@
 """`qrt serve --replicas 2`: two engine processes behind one front. The routing, the summed
 metrics and the replicas' command line in this process; then (in `make test-slow`: each replica
 loads the tiny chat model, and a killed one loads it again) a real front, whose answers must be
-the one-process model's, which sends a shared prefix to one replica, and which outlives a replica
-killed with SIGKILL."""
+the one-process model's, which sends a shared prefix to one replica, which outlives a replica
+killed with SIGKILL while it answers, and which drains on SIGTERM."""
 
 import os
 import signal
@@ -20,6 +20,7 @@ from qrt.server.affinity import PrefixAffinity, prompt_prefix
 from qrt.server.metrics import Metrics
 from qrt.server.metrics_sum import summed_metrics
 from test_server import KEY, MAX_SEQ_LEN, NAME, SLOTS, START_TIMEOUT_S, expected
+from test_server_faults import Stream
 
 REPLICAS = 2
 PREFIX_CHARS = 64
@@ -177,12 +178,35 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_served_it(front):
     assert after["qrt_router_affinity_hits_total"] - before["qrt_router_affinity_hits_total"] == 2
 
 
+def routed(values: dict) -> list[float]:
+    return [values[f'qrt_router_requests_total{{replica="{i}"}}'] for i in range(REPLICAS)]
+
+
 @pytest.mark.slow
-def test_a_killed_replica_is_routed_around_and_started_again(front):
-    victim = front.health()["replicas"][0]
+def test_a_replica_killed_while_it_streams_cuts_only_its_own_streams_and_is_started_again(front):
+    """SIGKILL to a replica with streams in flight on both: the victim's streams end short (no
+    [DONE], as that replica's own would), none of them is sent again to the other replica, whose
+    streams finish whole; new requests go around the victim until it is back."""
+    before = routed(metrics(front.url))
+    streams = [Stream(front.url, f"tale number {i}", 600) for i in range(4)]  # the least busy replica each
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.started.wait(60) and stream.lines, stream.error
+    replicas = front.health()["replicas"]
+    assert [r["in_flight"] for r in replicas] == [2, 2], replicas
+    victim = replicas[0]
     os.kill(victim["pid"], signal.SIGKILL)
     for i in range(4):  # the first may reach the dead replica's port first: the front tries the other
         assert front.complete(f"still answered {i}").status_code == 200
+    for stream in streams:
+        stream.join(120)
+        assert not stream.is_alive() and stream.error is None, stream.error
+    whole = sum(stream.finished_whole() for stream in streams)
+    assert whole == 2, [stream.lines[-1:] for stream in streams]
+    # Each stream reached one replica once: the victim's two and the survivor's two, plus the
+    # survivor's four completions above, and nothing sent again.
+    assert [after - then for after, then in zip(routed(metrics(front.url)), before)] == [2, 2 + 4]
     values = front.wait_for(lambda v: v['qrt_router_replica_restarts_total{replica="0"}'] == 1
                             and v["qrt_router_replicas_ready"] == REPLICAS, START_TIMEOUT_S)
     assert values['qrt_router_replica_restarts_total{replica="1"}'] == 0
@@ -192,8 +216,29 @@ def test_a_killed_replica_is_routed_around_and_started_again(front):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_front_and_every_replica(front):
+def test_sigterm_drains_the_front_then_stops_every_replica(front):
+    """The front's first SIGTERM refuses new requests with 503 while the streams it relays run to
+    their end; then it stops the replicas and exits 0."""
     pids = [r["pid"] for r in front.health()["replicas"]]
+    streams = [Stream(front.url, f"story {i}", 1000) for i in range(3)]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.started.wait(60) and stream.lines, stream.error
+    os.killpg(front.process.pid, signal.SIGTERM)  # the front's group: the replicas have sessions of their own
+    at_signal = [len(stream.lines) for stream in streams]
+    deadline = time.monotonic() + 10
+    while (refused := front.complete("late")).status_code == 200:  # taken before the signal was handled
+        assert time.monotonic() < deadline, "the front took new requests 10 s after SIGTERM"
+        time.sleep(0.05)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "shutting_down", refused.text
+    assert httpx.get(front.url + "/health", timeout=10).json()["status"] == "stopping"
+    for stream in streams:
+        stream.join(120)
+    for stream, before in zip(streams, at_signal):
+        assert stream.finished_whole() and len(stream.lines) > before, (stream.error, stream.lines[-2:])
+    assert front.process.wait(60) == 0
     assert front.stop() == 0
     for pid in pids:
         with pytest.raises(ProcessLookupError):

@@ -77,6 +77,10 @@ class ReplicaPool:
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == "ready"]
 
+    def in_flight(self) -> int:
+        """Requests forwarded to a replica whose answers are not yet relayed to the end."""
+        return sum(r.in_flight for r in self.replicas)
+
     def all_started_once(self) -> bool:
         return all(r.ever_ready for r in self.replicas)
 

@@ -1,9 +1,11 @@
 """The front of `qrt serve --replicas N`: one FastAPI app on the user's address that forwards every
 /v1 request, streamed answers included, to a replica (affinity.py picks which), and answers
-/health and /metrics for the pool as a whole."""
+/health and /metrics for the pool as a whole. While the front drains (drain.py: SIGTERM or Ctrl-C)
+it refuses new requests with 503 and relays the answers already under way to their end."""
 
 import asyncio
 import json
+import threading
 from contextlib import asynccontextmanager
 
 import anyio
@@ -59,8 +61,10 @@ class RouterMetrics:
 
 
 def create_router(pool: ReplicaPool, affinity: PrefixAffinity, *, prefix_chars: int, max_body_bytes: int,
-                  drain_timeout_s: float) -> FastAPI:
-    """The front over `pool`: started with the app, stopped (after its requests finish) with it."""
+                  drain_timeout_s: float, draining: threading.Event | None = None) -> FastAPI:
+    """The front over `pool`: started with the app, stopped (after its requests finish) with it.
+    draining: set when the front starts to drain (DrainingServer sets it)."""
+    draining = draining if draining is not None else threading.Event()
     client = httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     router_metrics = RouterMetrics(pool, affinity)
@@ -83,6 +87,8 @@ def create_router(pool: ReplicaPool, affinity: PrefixAffinity, *, prefix_chars: 
     @app.get("/health")
     async def health():
         replicas = [r.describe() for r in pool.replicas]
+        if draining.is_set():  # a balancer stops sending here
+            return JSONResponse({"status": "stopping", "replicas": replicas}, status_code=503)
         # 503 until every replica has loaded once; then 200 while any is ready (one restarting
         # does not take the endpoint out of service: the others answer its share).
         if pool.all_started_once() and pool.ready():
@@ -110,6 +116,9 @@ def create_router(pool: ReplicaPool, affinity: PrefixAffinity, *, prefix_chars: 
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request):
+        if draining.is_set():
+            return JSONResponse(error_body("the server is shutting down: it finishes the requests it holds and takes "
+                                           "no new ones", "server_error", code="shutting_down"), status_code=503)
         body = await request.body()
         prefix = None
         if request.method == "POST":

@@ -3,8 +3,8 @@
 which refuse new requests with 503 and let the requests in hand finish first (drain.py). With --replicas N,
 N such servers run as processes of their own behind a front that routes to them."""
 
-import signal
 import sys
+import threading
 
 from qrt.runtime.engine import DEFAULT_CHUNK
 
@@ -65,6 +65,7 @@ def serve_replicas(replica_command, replica_env: dict, replicas: int, *, host: s
     import uvicorn
 
     from .affinity import PrefixAffinity
+    from .drain import DrainingServer
     from .replicas import ReplicaPool
     from .router import create_router
 
@@ -80,26 +81,19 @@ def serve_replicas(replica_command, replica_env: dict, replicas: int, *, host: s
     pool = ReplicaPool(replicas, replica_command, replica_env, start_timeout_s, on_fatal)
     # A replica with a whole batch more in flight than the least busy one loses its prefixes' requests.
     affinity = PrefixAffinity(slack=max_batch)
+    draining = threading.Event()
     app = create_router(pool, affinity, prefix_chars=prefix_chars, max_body_bytes=max_body_bytes,
-                        drain_timeout_s=drain_timeout_s)
+                        drain_timeout_s=drain_timeout_s, draining=draining)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s)
-    server = uvicorn.Server(config)
+    # SIGTERM drains the front as it drains one server: new requests get 503, the answers being
+    # relayed finish; then the app's shutdown stops the replicas, which by then hold nothing.
+    server = DrainingServer(config, draining=draining, in_hand=pool.in_flight, timeout_s=drain_timeout_s)
     server_box.append(server)
     print(f"qrt: listening on http://{host}:{port} for {replicas} replicas (GET /health: 503 until every replica "
           f"is ready)", file=sys.stderr, flush=True)
-    _run_until_stopped(server)
+    server.run()
     if failure:
         return 1
     print("qrt: server and replicas stopped", file=sys.stderr, flush=True)
     return 0
-
-
-def _run_until_stopped(server) -> None:
-    # uvicorn drains on SIGTERM and then raises the signal again under the handler it found:
-    # this one, so that a drained server exits 0 instead of dying by the signal.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
