@@ -18,16 +18,18 @@ _lib.define("act_mul(Tensor y, str activation) -> Tensor")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """x: [..., D]; weight: [D] in x's dtype. Normalise in fp32, then
-    - Llama and most families: round to x's dtype and scale by `weight` in that dtype;
+    """x: [..., D], the model's dtype or the fp32 residual stream; weight: [D] in the model's
+    dtype. Normalise in fp32, then
+    - Llama and most families: round to the weight's dtype and scale by `weight` in that dtype;
     - unit_offset (Gemma, whose checkpoints store the offset from one): scale by 1 + weight in fp32,
       then round once.
-    These are the roundings transformers makes for each family."""
+    These are the roundings transformers makes for each family. The result is in the weight's
+    dtype, which the layers after the norm take."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:
-        return (x32 * (1.0 + weight.float())).to(x.dtype)
-    return weight * x32.to(x.dtype)
+        return (x32 * (1.0 + weight.float())).to(weight.dtype)
+    return weight * x32.to(weight.dtype)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ def rms_norm_quant_int8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)  # [M, 1]
     _rms_norm_quant_kernel[(m,)](
         x2, weight.contiguous(), q, scale, d, eps, x2.stride(0), q.stride(0),
-        ROUNDING=_ROUNDING[x.dtype], UNIT_OFFSET=unit_offset, MIN_SCALE=MIN_SCALE, BLOCK=row_block(d), num_warps=4,
+        ROUNDING=_ROUNDING[weight.dtype], UNIT_OFFSET=unit_offset, MIN_SCALE=MIN_SCALE, BLOCK=row_block(d), num_warps=4,
     )
     return q.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 

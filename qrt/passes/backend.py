@@ -69,7 +69,11 @@ class QrtBackend:
         # Dynamo's guards check every graph input's sizes and strides before the graph runs, so the
         # wrapper's own size asserts only re-check them; there were about 28 per decoder layer on
         # each decode step, every one a call from the Python wrapper (docs/cpu-kernels.md).
-        self.config_patches = {"size_asserts": False}
+        self.config_patches = {"size_asserts": False,
+                               # Round a fused kernel's intermediates to bf16/fp16 where eager rounds
+                               # them, so a compiled graph computes what the reference ops compute
+                               # (docs/quality.md: without it one prompt position scored 2 nats apart).
+                               "emulate_precision_casts": True}
         if freeze:
             self.config_patches["freezing"] = True
         if autotune:

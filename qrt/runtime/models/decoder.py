@@ -160,7 +160,13 @@ class CausalLM(nn.Module):
         """The final norm's hidden states [B, T, D] of input_ids [B, T] (the arguments as forward's):
         what the lm_head reads, and what an embedding model pools."""
         cached, mask, sliding_mask, rope, local_rope = self._attention_inputs(input_ids, positions, keys)
-        x = self.embed(input_ids)
+        # The residual stream is kept in fp32 whatever the model's dtype, as llama.cpp keeps it: a
+        # layer's output (model dtype) is added to it in fp32, and each norm rounds what it hands
+        # its layer to the model's dtype. A bf16 stream rounds every add; where a model holds a
+        # value of hundreds in one channel and later cancels it (SmolLM2 does, after a lone space
+        # token), those roundings (steps of 4 at 512) survive the cancellation and the next MLP
+        # amplifies them (docs/quality.md).
+        x = self.embed(input_ids).float()  # [B, T, D] fp32
         run_layer = _run_layer_once if self.compile_layers_once else _run_layer
         for layer in self.model.layers:
             cos, sin = local_rope if layer.sliding else rope

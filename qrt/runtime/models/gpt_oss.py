@@ -38,9 +38,10 @@ class GptOssRMSNorm(RMSNorm):
 
     def __init__(self, size: int, eps: float, dtype):
         super().__init__(size, eps, torch.float32)
+        self.dtype = dtype  # the model's: what the layers after the norm take
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qrt.rms_norm(x.float(), self.weight, self.eps).to(x.dtype)
+        return torch.ops.qrt.rms_norm(x.float(), self.weight, self.eps).to(self.dtype)
 
 
 class GptOssAttention(Attention):
