@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from bench.lm_eval_task import evaluate, write_mc_task
 from test_server import KEY, NAME, server  # noqa: F401  (the fixture: `qrt serve` on the tiny chat model)
 
 # Both sides run the float32 checkpoint in float32: a choice's loglikelihood differs by the order
@@ -21,27 +22,6 @@ QUESTIONS = [
     ("The opposite of hot is", [" cold", " hot", " purple", " running"], 0),
     ("A baby cat is called a", [" kitten", " puppy", " tree"], 0),
 ]
-
-
-def write_mc_task(folder, questions) -> None:
-    """lm-eval task `qrt_mc` in `folder`: the multiple-choice questions [(question, choices, answer)]."""
-    with open(folder / "mc.jsonl", "w") as out:
-        for question, choices, answer in questions:
-            out.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
-    (folder / "qrt_mc.yaml").write_text(textwrap.dedent(f"""\
-        task: qrt_mc
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {folder / "mc.jsonl"}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{question}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: answer
-        metric_list:
-          - metric: acc
-        """))
 
 
 def write_tasks(folder):
@@ -66,25 +46,6 @@ def write_tasks(folder):
         metric_list:
           - metric: exact_match
         """))
-
-
-def evaluate(model: str, model_args: dict, tasks_dir, tasks=("qrt_mc", "qrt_gen"), batch_size: int = 1) -> dict:
-    """{task: [(per-choice loglikelihoods or the generated text, per document)]} from lm-eval."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    results = simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
-                              task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
-                              batch_size=batch_size, device="cpu")
-    samples = results["samples"]
-    by_doc = {task: sorted(samples[task], key=lambda s: s["doc_id"]) for task in samples}
-    found = {}
-    if "qrt_mc" in by_doc:
-        found["qrt_mc"] = [[float(r[0][0]) for r in s["resps"]] for s in by_doc["qrt_mc"]]
-        found["qrt_mc_greedy"] = [[bool(r[0][1]) for r in s["resps"]] for s in by_doc["qrt_mc"]]
-    if "qrt_gen" in by_doc:
-        found["qrt_gen"] = [s["resps"][0][0] for s in by_doc["qrt_gen"]]
-    return found
 
 
 @pytest.fixture(scope="module")
