@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.lm_eval_task import LONG_QUESTIONS, QUESTIONS, differences, evaluate, served_scores, write_mc_task
+from bench.lm_eval_task import (LONG_QUESTIONS, QUESTIONS, chosen, differences, evaluate, served_scores,
+                                 write_mc_task)
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QUANTS = ("none", "int4", "fp8")
@@ -46,11 +47,10 @@ def checkpoint_dtype(config: dict) -> torch.dtype:
 def _int_dequantized(weight: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype) -> torch.Tensor:
     """What quantize_int_rows makes of weight [N, K], dequantized: fp32 [N, K]."""
     from qrt.formats.int_online import quantize_int_rows
+    from qrt.kernels.int_reference import IntWeights
 
     q, scales, zeros = quantize_int_rows(weight, bits, group, scale_dtype)  # [N, K], [N, groups], [N, groups]
-    k = weight.shape[1]
-    expand = lambda per_group: per_group.float().repeat_interleave(group, dim=1)[:, :k]  # noqa: E731  [N, K]
-    return (q.float() - expand(zeros)) * expand(scales)
+    return IntWeights(q.t(), scales.t(), zeros.t(), bits, group).dequantize()
 
 
 def dequantized_weight(weight: torch.Tensor, quant: str, lm_head: bool, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -82,6 +82,7 @@ def write_float32_model(checkpoint: Path, quant: str, out: Path) -> Path:
     for shard in sorted(checkpoint.glob("*.safetensors")):
         tensors.update(load_file(shard))
     config = json.loads((checkpoint / "config.json").read_text())
+    scale_dtype = checkpoint_dtype(config)
     if "lm_head.weight" not in tensors:  # tied to the embeddings
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     weights = {}
@@ -89,7 +90,7 @@ def write_float32_model(checkpoint: Path, quant: str, out: Path) -> Path:
         module = name.removesuffix(".weight")
         quantized = quant != "none" and name.endswith(".weight") and (
             module.endswith(DECODER_LINEARS) or module == "lm_head")
-        weights[name] = (dequantized_weight(value, quant, module == "lm_head", checkpoint_dtype(config)) if quantized
+        weights[name] = (dequantized_weight(value, quant, module == "lm_head", scale_dtype) if quantized
                          else value.float()).contiguous()
     save_file(weights, str(out / "model.safetensors"))
     config.update(tie_word_embeddings=False, torch_dtype="float32")
@@ -103,8 +104,7 @@ def hf_scores(folder: Path, dtype: str, work: Path) -> list[list[float]]:
 
 
 def accuracy(scores: list[list[float]], questions) -> float:
-    return sum(max(range(len(doc)), key=doc.__getitem__) == answer
-               for doc, (_, _, answer) in zip(scores, questions)) / len(questions)
+    return sum(chosen(doc) == answer for doc, (_, _, answer) in zip(scores, questions)) / len(questions)
 
 
 def main(argv=None) -> int:

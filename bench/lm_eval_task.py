@@ -134,11 +134,15 @@ def evaluate(model: str, model_args: dict, tasks_dir, tasks=("qrt_mc", "qrt_gen"
     return found
 
 
+def chosen(choice_scores: list[float]) -> int:
+    """The index of the choice a question's log-likelihoods pick (the first of equal ones)."""
+    return max(range(len(choice_scores)), key=choice_scores.__getitem__)
+
+
 def differences(scores: list[list[float]], reference: list[list[float]]) -> tuple[float, float, int]:
     """(mean and worst |difference| per choice, answers chosen differently) against the reference."""
     gaps = [abs(a - b) for doc, ref in zip(scores, reference) for a, b in zip(doc, ref)]
-    flips = sum(max(range(len(doc)), key=doc.__getitem__) != max(range(len(ref)), key=ref.__getitem__)
-                for doc, ref in zip(scores, reference))
+    flips = sum(chosen(doc) != chosen(ref) for doc, ref in zip(scores, reference))
     return sum(gaps) / len(gaps), max(gaps), flips
 
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from bench.lm_eval_task import evaluate, write_mc_task
+from bench.lm_eval_task import chosen, evaluate, write_mc_task
 from test_server import KEY, NAME, server  # noqa: F401  (the fixture: `qrt serve` on the tiny chat model)
 
 # Both sides run the float32 checkpoint in float32: a choice's loglikelihood differs by the order
@@ -69,7 +69,6 @@ def test_lm_eval_against_qrt_serve_matches_its_hf_backend(server, chat_llama_dir
     worst = max(abs(a - b) for doc_q, doc_h in zip(qrt["qrt_mc"], hf["qrt_mc"]) for a, b in zip(doc_q, doc_h))
     assert worst < NATS, (worst, qrt["qrt_mc"], hf["qrt_mc"])
     assert qrt["qrt_mc_greedy"] == hf["qrt_mc_greedy"]
-    chosen = [max(range(len(doc)), key=doc.__getitem__) for doc in qrt["qrt_mc"]]
-    assert chosen == [max(range(len(doc)), key=doc.__getitem__) for doc in hf["qrt_mc"]]
+    assert [chosen(doc) for doc in qrt["qrt_mc"]] == [chosen(doc) for doc in hf["qrt_mc"]]
     assert qrt["qrt_gen"] == hf["qrt_gen"]
     assert all(isinstance(text, str) for text in qrt["qrt_gen"])

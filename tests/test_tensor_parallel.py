@@ -9,6 +9,7 @@ refused before any weight is read; a failing rank makes every rank exit; each ra
 the weights."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -143,7 +144,7 @@ def parts_only_at_a_tie(folder, case, expected: list[int], got: list[int]) -> bo
     with torch.no_grad():  # the logits that chose expected[step]: [V]
         logits = teacher_forced_logits(model, PROMPT + expected[:step], len(PROMPT))[-1]
     top = logits[expected[step]].item()
-    bf16_step = 2.0 ** (torch.tensor(abs(top)).log2().floor().item() - 7)  # bf16 keeps 7 fraction bits
+    bf16_step = 2.0 ** (math.floor(math.log2(abs(top))) - 7)  # bf16 keeps 7 fraction bits
     return top - logits[got[step]].item() <= BF16_STEPS_OF_A_TIE * bf16_step
 
 
