@@ -47,18 +47,18 @@ def _weights(kind: str, k: int, n: int, group: int, gen: torch.Generator) -> Int
 
 
 def _packed(w: IntWeights):
-    centre = int8_groups_cpu.code_centre(w.q, w.zeros)
-    return (int8_groups_cpu.pack_codes(w.q, centre),
-            int8_groups_cpu.pack_scale_offsets(w.scales, w.zeros, centre, torch.bfloat16)), centre
+    centres = int8_groups_cpu.code_centres(w.q, w.zeros)  # [N]
+    return (int8_groups_cpu.pack_codes(w.q, centres),
+            int8_groups_cpu.pack_scale_offsets(w.scales, w.zeros, centres, torch.bfloat16)), centres
 
 
-def _rounded_weight(w: IntWeights, centre: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight the kernel stands for, (q - c) * scale + offset with scale and offset rounded to
-    bf16 as stored, float64 [N, K]; and |q - c| * |scale| + |offset|, the size of its terms."""
+def _rounded_weight(w: IntWeights, centres: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight the kernel stands for, (q - c_n) * scale + offset with scale and offset rounded to
+    bf16 as stored, float64 [N, K]; and |q - c_n| * |scale| + |offset|, the size of its terms."""
     group = torch.arange(w.q.shape[0]) // w.group_size  # [K]
     s = w.scales.to(torch.bfloat16).double()[group]  # [K, N]
-    o = ((centre - w.zeros.float()) * w.scales.float()).to(torch.bfloat16).double()[group]
-    codes = w.q.double() - centre
+    o = ((centres.float() - w.zeros.float()) * w.scales.float()).to(torch.bfloat16).double()[group]
+    codes = w.q.double() - centres.double()
     return (codes * s + o).t(), (codes.abs() * s.abs() + o.abs()).t()
 
 
@@ -67,14 +67,14 @@ def test_layout_holds_each_code_and_pair_where_the_kernel_reads_it():
     (scale, offset) of output 64 b + d in group h; `dequantize` reads both back."""
     gen = torch.Generator().manual_seed(1)
     w = _weights("full", 64, 128, 16, gen)
-    (packed, pairs), centre = _packed(w)
+    (packed, pairs), centres = _packed(w)
     assert packed.shape == (2, 32, 64, 2) and packed.dtype == torch.int8
     assert pairs.shape == (2, 4, 64, 2) and pairs.dtype == torch.bfloat16
     b, j, d, t = torch.meshgrid(torch.arange(2), torch.arange(32), torch.arange(64), torch.arange(2), indexing="ij")
-    assert torch.equal(packed[b, j, d, t].int(), w.q[2 * j + t, 64 * b + d] - centre)
+    assert torch.equal(packed[b, j, d, t].int(), w.q[2 * j + t, 64 * b + d] - centres[64 * b + d])
     assert torch.equal(pairs[1, 3, 5, 0], w.scales[3, 69].to(torch.bfloat16))
-    assert torch.equal(pairs[1, 3, 5, 1], ((centre - w.zeros[3, 69]) * w.scales[3, 69]).to(torch.bfloat16))
-    weight, size = _rounded_weight(w, centre)
+    assert torch.equal(pairs[1, 3, 5, 1], ((centres[69] - w.zeros[3, 69]) * w.scales[3, 69]).to(torch.bfloat16))
+    weight, size = _rounded_weight(w, centres)
     assert_within(int8_groups_cpu.dequantize(packed, pairs.float()), weight, 2.0**-22 * size)
 
 
@@ -100,7 +100,38 @@ def test_rows_read_back_the_dequantized_weights_rows():
     (200, 255, [250.0], 250)])
 def test_the_centre_keeps_codes_in_int8_and_offsets_small(low, high, zeros, centre):
     q = torch.tensor([[low], [high]], dtype=torch.int32)
-    assert int8_groups_cpu.code_centre(q, torch.tensor(zeros)) == centre
+    assert int8_groups_cpu.code_centres(q, torch.tensor(zeros)[:, None]).tolist() == [centre]
+
+
+def test_each_output_has_its_own_centre_so_narrow_codes_beside_wide_ones_keep_small_offsets():
+    """A fused layer of GGUF's Q5_K_M: q and k in Q5_1 (codes 0..31, fractional zero points -min / d
+    within them) beside v in Q8_0 (codes 0..255, zero 128). Each output is centred on its own zero
+    points, so the narrow shard's offsets stay within 32 of its scales and it comes back near bf16's
+    rounding of its scales. One centre of 128 for the whole layer leaves it offsets of ~112 scales,
+    whose rounding to bf16 costs several times more."""
+    gen = torch.Generator().manual_seed(8)
+    k, narrow, wide, group = 128, 128, 64, 32
+    q = torch.cat([torch.randint(0, 32, (k, narrow), generator=gen),
+                   torch.randint(0, 256, (k, wide), generator=gen)], dim=1).int()  # [K, N]
+    zeros = torch.cat([torch.rand(k // group, narrow, generator=gen) * 31,
+                       torch.full((k // group, wide), 128.0)], dim=1)  # [K / g, N]
+    scales = torch.rand(k // group, narrow + wide, generator=gen) * 0.02 + 0.001  # [K / g, N]
+    w = IntWeights(q, scales, zeros, 8, group)
+    (packed, pairs), centres = _packed(w)
+    assert centres[:narrow].min() >= 0 and centres[:narrow].max() <= 31 and centres[narrow:].tolist() == [128] * wide
+    offsets_in_scales = (pairs[..., 1].float() / pairs[..., 0].float()).abs()  # [N / 64, K / g, 64]
+    assert offsets_in_scales[:narrow // 64].max() <= 32 and offsets_in_scales[narrow // 64:].max() == 0
+
+    per_k = lambda t: t.double().repeat_interleave(group, 0)  # [K / g, N] -> [K, N]
+    exact = ((q.double() - per_k(zeros)) * per_k(scales)).t()  # [N, K]
+    got = int8_groups_cpu.dequantize(packed, pairs.float()).double()  # scales and offsets as stored in bf16
+    narrow_error = relative_l2(got[:narrow], exact[:narrow])
+    assert narrow_error < 2.0**-6, narrow_error
+
+    one_centre = torch.full_like(centres, 128)
+    pairs_of_one_centre = int8_groups_cpu.pack_scale_offsets(scales, zeros, one_centre, torch.bfloat16)
+    got_of_one_centre = int8_groups_cpu.dequantize(int8_groups_cpu.pack_codes(q, one_centre), pairs_of_one_centre.float())
+    assert relative_l2(got_of_one_centre[:narrow], exact[:narrow]) > 4 * narrow_error
 
 
 @pytest.mark.parametrize("m,bias", [(1, False), (3, True), (4, False), (5, True), (64, False), (70, True)])
@@ -114,13 +145,13 @@ def test_matches_the_reference(kind, group, m, bias):
     k, n = 384, 192
     gen = torch.Generator().manual_seed(m * 1000 + group + len(kind))
     w = _weights(kind, k, n, group, gen)
-    (packed, pairs), centre = _packed(w)
+    (packed, pairs), centres = _packed(w)
     x = (torch.randn(m, k, generator=gen) + 0.3).to(torch.bfloat16)  # off-centre rows: sum(x) matters
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     got = torch.ops.qrt.int8_groups_linear(x, packed, pairs, None, b)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
 
-    weight, size = _rounded_weight(w, centre)
+    weight, size = _rounded_weight(w, centres)
     b64 = b.double() if bias else torch.zeros(n, dtype=torch.float64)
     expected = x.double() @ weight.t() + b64
     terms = x.double().abs() @ size.t() + b64.abs()

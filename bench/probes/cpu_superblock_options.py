@@ -61,11 +61,11 @@ def kernels(ggml_type: str, blocks: torch.Tensor, k: int):
         def before(x, packed, scale_offsets):
             return torch.ops.qrt_cpu.int4_pairs_linear(x, packed, scale_offsets, iw.group_size, None, NEVER)
     else:
-        centre = int8_groups_cpu.code_centre(iw.q, iw.zeros)
+        centres = int8_groups_cpu.code_centres(iw.q, iw.zeros)  # [N]
 
         def before_copy():
-            return (int8_groups_cpu.pack_codes(iw.q, centre),
-                    int8_groups_cpu.pack_scale_offsets(iw.scales, iw.zeros, centre, torch.bfloat16))
+            return (int8_groups_cpu.pack_codes(iw.q, centres),
+                    int8_groups_cpu.pack_scale_offsets(iw.scales, iw.zeros, centres, torch.bfloat16))
 
         def before(x, packed, scale_offsets):
             return torch.ops.qrt_cpu.int8_groups_linear(x, packed, scale_offsets, None, NEVER)

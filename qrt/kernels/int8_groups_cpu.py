@@ -6,13 +6,16 @@ codes of 5 or 6 bits (GGUF's Q5_K, Q6_K) or 8 (Q8_0) that arrive as `IntWeights`
 Otherwise they are dequantized to the model dtype, 2 bytes a bf16 weight; here a byte a weight and
 4 / g for the group's scale and offset.
 
-The layout: the codes, less a centre c chosen per layer, as int8 in the pair layout of the GEMV
-kernels (pair_layout.py), [N / 64, K / 2, 64, 2], element (b, j, d, t) = q[2 j + t, 64 b + d] - c;
-scale_offsets [N / 64, K / g, 64, 2], the (scale, offset) of output 64 b + d in group h at (b, h, d),
-offset = (c - zero) * scale, so W = (q - c) * scale + offset = (q - zero) * scale. Any c that keeps
-q - c in int8 is exact in the kernel (int8 widens to bf16 exactly); the one nearest the zero points
-(their median) makes the offsets small, so rounding them to bf16 costs least: 0 for symmetric GPTQ
-(zero 128) and Q6_K-like codes (zero 32).
+The layout: the codes, less a centre c_n chosen per output, as int8 in the pair layout of the GEMV
+kernels (pair_layout.py), [N / 64, K / 2, 64, 2], element (b, j, d, t) = q[2 j + t, n] - c_n with
+n = 64 b + d; scale_offsets [N / 64, K / g, 64, 2], the (scale, offset) of output n in group h at
+(b, h, d), offset = (c_n - zero) * scale, so W = (q - c_n) * scale + offset = (q - zero) * scale. Any
+c_n that keeps q - c_n in int8 is exact in the kernel (int8 widens to bf16 exactly); the one nearest
+the output's zero points (their median) makes the offsets small, so rounding them to bf16 costs
+least: 0 for symmetric GPTQ (zero 128) and Q6_K-like codes (zero 32). The centre is per output, not
+per layer, because a fused layer's shards may come from different formats: GGUF's Q5_K_M fuses q
+and k in Q5_1 (codes 0..31, zero 0) with v in Q8_0 (codes around 128), and one centre of 128 would
+leave q and k with offsets of ~112 scales, whose bf16 rounding is a 4% error in their weights.
 
 Numerics (bf16 models): scales and offsets rounded to bf16 once, at load time. Below
 `MIN_ROWS_DEQUANTIZED` rows the products of the codes with x are exact and summed in fp32 per group,
@@ -52,34 +55,40 @@ def kernel_group(k: int, group_size: int) -> int | None:
     return group
 
 
-def code_centre(q: torch.Tensor, zeros: torch.Tensor) -> int:
-    """The centre c subtracted from the unsigned codes q [K, N]: the median zero point, rounded,
-    moved as little as needed to keep every q - c within int8."""
-    low, high = (int(v) for v in torch.aminmax(q))
-    centre = round(float(zeros.float().median()))
-    return min(max(centre, high - 127), low + 128)
+def code_centres(q: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The centres c [N] (int32) subtracted from the unsigned codes q [K, N], one per output: the
+    median of its zero points [K / g, N], rounded, moved as little as needed to keep each of its
+    q - c within int8."""
+    low, high = q.amin(dim=0).int(), q.amax(dim=0).int()  # [N]
+    median = zeros.float().median(dim=0).values.round().int()  # [N]
+    return torch.minimum(torch.maximum(median, high - 127), low + 128)
 
 
-def pack_codes(q: torch.Tensor, centre: int) -> torch.Tensor:
-    """Codes q [K, N] (unsigned) -> int8 [N / 64, K / 2, 64, 2], element (b, j, d, t) = q[2 j + t, 64 b + d] - c."""
+def pack_codes(q: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Codes q [K, N] (unsigned) and centres [N] -> int8 [N / 64, K / 2, 64, 2], element
+    (b, j, d, t) = q[2 j + t, n] - c_n with n = 64 b + d."""
     k, n = q.shape
     packed = torch.empty(n // OUTPUTS_PER_BLOCK, k // 2, OUTPUTS_PER_BLOCK, 2, dtype=torch.int8)
     # A slice of outputs at a time and in bytes: whole-weight temporaries were the load's peak on a
     # 49152-row lm_head. q - c wraps modulo 256 in uint8, which read as int8 is q - c itself, as it
     # lies in int8's range.
+    wrapped_centres = (centres % 256).to(torch.uint8)  # [N]
     for first in range(0, n // OUTPUTS_PER_BLOCK, BLOCKS_PER_SLICE):
         blocks = slice(first, min(first + BLOCKS_PER_SLICE, n // OUTPUTS_PER_BLOCK))
-        columns = q[:, blocks.start * OUTPUTS_PER_BLOCK:blocks.stop * OUTPUTS_PER_BLOCK]  # [K, n']
-        signed = (columns.to(torch.uint8) - centre % 256).view(torch.int8)  # [K, n']
+        outputs = slice(blocks.start * OUTPUTS_PER_BLOCK, blocks.stop * OUTPUTS_PER_BLOCK)
+        signed = (q[:, outputs].to(torch.uint8) - wrapped_centres[outputs]).view(torch.int8)  # [K, n']
         packed[blocks] = signed.view(k // 2, 2, -1, OUTPUTS_PER_BLOCK).permute(2, 0, 3, 1)
     return packed
 
 
-def pack_scale_offsets(scales: torch.Tensor, zeros: torch.Tensor, centre: int, dtype: torch.dtype) -> torch.Tensor:
-    """Scales and zero points [K / g, N] -> (scale, (c - zero) * scale) pairs [N / 64, K / g, 64, 2] in
-    `dtype`, each block's groups together; the offsets computed in fp32 and rounded once."""
+def pack_scale_offsets(scales: torch.Tensor, zeros: torch.Tensor, centres: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Scales and zero points [K / g, N], centres [N] -> (scale, (c_n - zero) * scale) pairs
+    [N / 64, K / g, 64, 2] in `dtype`, each block's groups together; the offsets computed in fp32 and
+    rounded once."""
     s = scales.float()  # [K / g, N]
-    pairs = torch.stack([s, (centre - zeros.float()) * s], dim=-1).to(dtype)  # [K / g, N, 2]
+    offsets = (centres.float() - zeros.float()) * s  # [K / g, N]
+    pairs = torch.stack([s, offsets], dim=-1).to(dtype)  # [K / g, N, 2]
     groups, n, _ = pairs.shape
     return pairs.view(groups, n // OUTPUTS_PER_BLOCK, OUTPUTS_PER_BLOCK, 2).permute(1, 0, 2, 3).contiguous()
 
@@ -130,12 +139,11 @@ class Int8GroupsLayout(Layout):
         w = weights
         k = w.q.shape[0]
         group = kernel_group(k, w.group_size)
-        centre = code_centre(w.q, w.zeros)
+        centres = code_centres(w.q, w.zeros)  # [N]
         # packed: int8 [N / 64, K / 2, 64, 2]; scale_offsets in the model dtype, [N / 64, K / g, 64, 2].
-        # The storage text leaves the centre out: layers that differ only in it (a MoE's experts)
-        # share one layout and one kernel, their offsets absorbing it.
-        return Packed({"weight": pack_codes(w.q, centre),
-                       "scale_offsets": pack_scale_offsets(w.scales, w.zeros, centre, dtype)},
+        # The centres live only in the offsets, which absorb them: nothing else is stored.
+        return Packed({"weight": pack_codes(w.q, centres),
+                       "scale_offsets": pack_scale_offsets(w.scales, w.zeros, centres, dtype)},
                       storage=f"int8 centred codes in pairs [N/64, K/2, 64, 2], scale+offset [N/64, K/g, 64, 2], "
                               f"g{group}")
 
