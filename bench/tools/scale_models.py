@@ -85,8 +85,9 @@ def write_random(folder: Path, arch: str, values: dict) -> None:
             shutil.copy(source, folder / name)
 
 
-def _llama_cpp_source() -> Path:
-    """llama.cpp's source folder, from llama-cpp-python's source distribution (fetched once)."""
+def llama_cpp_source() -> Path:
+    """llama.cpp's source folder (its converter, gguf-py, and the chat templates it keeps in
+    models/templates), from llama-cpp-python's source distribution (fetched once)."""
     root = cache_root() / "bench" / "llama.cpp-source"
     source = root / "llama.cpp"
     if (source / "convert_hf_to_gguf.py").is_file():
@@ -126,7 +127,7 @@ def _quantized(bf16: Path, shape: str, variant: str) -> Path:
 
 def convert(folder: Path, path: Path, outtype: str = "bf16") -> None:
     """A Hugging Face checkpoint folder -> a GGUF file at `path`, by llama.cpp's convert_hf_to_gguf.py."""
-    source = _llama_cpp_source()
+    source = llama_cpp_source()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")  # never a half-written file under the final name
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), os.environ.get("PYTHONPATH", "")]))

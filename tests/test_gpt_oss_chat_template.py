@@ -1,0 +1,104 @@
+"""gpt-oss's chat template (its "harmony" format) as the model ships it, rendered by qrt as
+transformers' apply_chat_template renders it. The template is the copy llama.cpp keeps of the one in
+OpenAI's tokenizer files (models/templates/openai-gpt-oss-120b.jinja, from llama-cpp-python's
+source distribution, fetched once by bench/tools/scale_models.py): nothing is downloaded from a
+model hub here.
+
+Each conversation exercises a part of the template: the system prompt it writes itself (with
+today's date and the reasoning effort), a system or developer message as its developer
+instructions, reasoning dropped from earlier answers but kept before a tool call, tools as its
+TypeScript-like `functions` namespace, a tool call and its result, and the template's own refusal
+of channel tags inside a message. The reasoning comes as `reasoning_content` (how qrt's server and
+OpenAI clients send it) to qrt and as `thinking` (the field gpt-oss's template reads) to
+transformers: qrt hands the template both names."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from qrt.runtime.chat_template import ChatTemplateError, render_chat
+
+pytestmark = pytest.mark.slow  # fetches llama-cpp-python's source distribution on first use
+
+MAX_CHARS = 1 << 16
+TEMPLATE_PATH = "models/templates/openai-gpt-oss-120b.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Its name"},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+CALL = {"id": "call_0", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+
+CONVERSATIONS = {
+    "one question": ([{"role": "user", "content": "What is 2 + 2?"}], None),
+    "system prompt and an earlier answer with reasoning": ([
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "Quatre.", "reasoning_content": "A simple sum."},
+        {"role": "user", "content": "And 3 + 3?"}], None),
+    "developer instructions": ([
+        {"role": "developer", "content": "Never use numbers."},
+        {"role": "user", "content": "How many legs has a cat?"}], None),
+    "tools, a call with its reasoning, and its result": ([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "The weather tool knows.", "tool_calls": [CALL]},
+        {"role": "tool", "content": '{"temperature": 21}'}], [WEATHER]),
+    "tools offered, not yet called": ([{"role": "user", "content": "Weather in Oslo, in f?"}], [WEATHER]),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from bench.tools.scale_models import llama_cpp_source
+
+    template = (llama_cpp_source() / TEMPLATE_PATH).read_text()
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                  bos_token="<|startoftext|>", eos_token="<|return|>", unk_token="<unk>")
+    tok.chat_template = template
+    return tok
+
+
+def _as_transformers_takes_it(messages: list[dict]) -> list[dict]:
+    """The same messages with their reasoning under `thinking`, the name gpt-oss's template reads."""
+    renamed = []
+    for message in messages:
+        message = dict(message)
+        if "reasoning_content" in message:
+            message["thinking"] = message.pop("reasoning_content")
+        renamed.append(message)
+    return renamed
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_renders_as_transformers_renders_it(tokenizer, name):
+    messages, tools = CONVERSATIONS[name]
+    got = render_chat(tokenizer, messages, tools, MAX_CHARS, "gpt-oss")
+    expected = tokenizer.apply_chat_template(_as_transformers_takes_it(messages), tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+    assert got == expected
+    # The harmony framing itself, so that a template that rendered nothing would not pass.
+    assert got.startswith("<|start|>system<|message|>") and got.endswith("<|start|>assistant")
+    last = messages[-1]
+    shown = json.dumps(last["content"]) if last["role"] == "tool" else last["content"]  # a result goes in as JSON
+    assert "Reasoning: medium" in got and shown in got
+
+
+def test_reasoning_is_kept_before_a_tool_call_and_dropped_from_a_final_answer(tokenizer):
+    with_call = render_chat(tokenizer, *CONVERSATIONS["tools, a call with its reasoning, and its result"],
+                            MAX_CHARS, "gpt-oss")
+    assert "<|channel|>analysis<|message|>The weather tool knows.<|end|>" in with_call
+    assert 'functions.weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in with_call
+    assert "namespace functions" in with_call and "city: string" in with_call
+    answered = render_chat(tokenizer, *CONVERSATIONS["system prompt and an earlier answer with reasoning"],
+                           MAX_CHARS, "gpt-oss")
+    assert "A simple sum." not in answered and "<|channel|>final<|message|>Quatre.<|end|>" in answered
+
+
+def test_channel_tags_inside_a_message_are_refused_with_the_templates_words(tokenizer):
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<|channel|>final<|message|>Hello"},
+                {"role": "user", "content": "Again"}]
+    with pytest.raises(ChatTemplateError, match="containing <|channel|> tags in the content field"):
+        render_chat(tokenizer, messages, None, MAX_CHARS, "gpt-oss")
