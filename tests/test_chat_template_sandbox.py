@@ -179,6 +179,19 @@ def test_the_output_bound_follows_the_models_context():
         render_chat(_tokenizer(template), [{"role": "user", "content": text}], None, 999, "m")
 
 
+def test_variables_reach_the_template_but_never_replace_the_conversation():
+    """Variables (a request's reasoning_effort, chat_template_kwargs) are names the template may
+    read, as apply_chat_template's keyword arguments are; the conversation's own names stay the
+    request's even if a caller passes them."""
+    template = "{{ reasoning_effort | default('unset') }} {{ enable_thinking }} {{ messages | length }}"
+    variables = {"reasoning_effort": "high", "enable_thinking": False, "messages": []}
+    got = render_chat(_tokenizer(template), MESSAGES, None, MAX_CHARS, "m", variables)
+    assert got == f"high False {len(MESSAGES)}"
+    assert got == _tokenizer(template).apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
+                                                           reasoning_effort="high", enable_thinking=False)
+    assert render_chat(_tokenizer(template), MESSAGES, None, MAX_CHARS, "m") == f"unset  {len(MESSAGES)}"
+
+
 def test_encode_messages_renders_through_the_sandbox():
     """CompiledModel.encode_messages (the server's chat endpoint and the CLI's chat) goes through
     render_chat, with the bound taken from the model's context."""

@@ -96,6 +96,15 @@ def test_reasoning_is_kept_before_a_tool_call_and_dropped_from_a_final_answer(to
     assert "A simple sum." not in answered and "<|channel|>final<|message|>Quatre.<|end|>" in answered
 
 
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_the_reasoning_effort_of_a_request_reaches_the_system_prompt(tokenizer, effort):
+    messages, _ = CONVERSATIONS["one question"]
+    got = render_chat(tokenizer, messages, None, MAX_CHARS, "gpt-oss", {"reasoning_effort": effort})
+    assert got == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                reasoning_effort=effort)
+    assert f"Reasoning: {effort}\n" in got
+
+
 def test_channel_tags_inside_a_message_are_refused_with_the_templates_words(tokenizer):
     messages = [{"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "<|channel|>final<|message|>Hello"},

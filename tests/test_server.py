@@ -4,6 +4,7 @@ checked against the same model's `generate` in this process."""
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -356,6 +357,28 @@ def test_tools_offered_in_auto_leave_a_plain_answer_as_text(client, chat_model):
                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
     with pytest.raises(openai.BadRequestError, match="'required' needs tools"):
         client.chat.completions.create(model=NAME, messages=ASK, tool_choice="required", max_tokens=4)
+
+
+def test_reasoning_and_template_variables_are_taken_as_reasoning_clients_send_them(client, chat_model):
+    """An assistant's earlier reasoning (`reasoning_content`, or vLLM's `reasoning`), OpenAI's
+    `reasoning_effort` and vLLM's `chat_template_kwargs` are taken, and reach the template as
+    render_chat hands them on (tests/test_chat_template_sandbox.py, test_gpt_oss_chat_template.py);
+    the tiny model's template reads none of them, so its answer is the plain conversation's. A
+    variable that would replace the conversation, or two efforts that disagree, are 400s."""
+    turns = ASK + [{"role": "assistant", "content": "It is sunny.", "reasoning_content": "The tool said so."},
+                   {"role": "user", "content": "And tomorrow?"}]
+    plain = [{key: value for key, value in turn.items() if key != "reasoning_content"} for turn in turns]
+    text, _, _ = expected(chat_model, chat_model.encode_messages(plain), 8)
+    reply = client.chat.completions.create(model=NAME, messages=turns, max_tokens=8, temperature=0,
+                                           reasoning_effort="high",
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].message.content == text
+    for fields, words in ((dict(extra_body={"chat_template_kwargs": {"messages": []}}), "may not set ['messages']"),
+                          (dict(reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}),
+                           "disagree"),
+                          (dict(reasoning_effort="extreme"), "reasoning_effort")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, **fields)
 
 
 @pytest.mark.parametrize("fields, param, words", [

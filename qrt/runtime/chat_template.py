@@ -309,16 +309,19 @@ def _messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, max_chars: int, source) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, max_chars: int, source,
+                variables: dict | None = None) -> str:
     """The conversation in the tokenizer's chat template, ending with the prompt for the
     assistant's turn, rendered within the limits above; `max_chars` bounds the prompt's length
-    and every value the template makes. `source` names the model in errors."""
+    and every value the template makes. `variables`: more names the template may read (as
+    apply_chat_template's keyword arguments); the conversation's own names are not among them.
+    `source` names the model in errors."""
     template = template_of(tokenizer, tools, source)
     budget = _Budget(max_chars)
     token = _budget.set(budget)
     try:
         compiled = _compiled(template)
-        context = {**tokenizer.special_tokens_map, "messages": _messages(messages),
+        context = {**tokenizer.special_tokens_map, **_plain(variables or {}), "messages": _messages(messages),
                    "tools": None if tools is None else _plain(tools), "documents": None,
                    "add_generation_prompt": True}
         pieces, length = [], 0

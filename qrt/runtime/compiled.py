@@ -423,10 +423,12 @@ class CompiledModel(GraphRunner):
             return self.encode_messages([{"role": "user", "content": text}])
         return self.tokenizer.encode(text)
 
-    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None,
+                        template_variables: dict | None = None) -> list[int]:
         """Token ids of a conversation ([{"role", "content"}, …]) in the tokenizer's chat template,
         ending with the prompt for the assistant's turn; `tools` (OpenAI's JSON) as the template
-        shows them to the model."""
+        shows them to the model; `template_variables` (such as reasoning_effort) for templates that
+        read them."""
         if self.tokenizer is None:
             raise ValueError(f"{self.source} has no usable tokenizer, so chat messages cannot be encoded")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -434,7 +436,8 @@ class CompiledModel(GraphRunner):
                              f"endpoint (or generate without chat=True)")
         # The template is the checkpoint's code: rendered in a sandbox with limits on its size, its
         # output and its time (chat_template.py), as transformers' apply_chat_template would render it.
-        text = render_chat(self.tokenizer, messages, tools, max_render_chars(self.max_seq_len), self.source)
+        text = render_chat(self.tokenizer, messages, tools, max_render_chars(self.max_seq_len), self.source,
+                           template_variables)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_ids(self, ids: torch.Tensor, allow_batch: bool) -> torch.Tensor:

@@ -183,7 +183,8 @@ def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: 
         model, lora = service.model_for(body)
         messages = [tools.template_message(m) for m in body.messages]
         offered = tools.template_tools(body.tools) if body.tool_mode() is not None else None
-        prompt = Prompt(_encode(lambda: model.encode_messages(messages, offered), "messages"), None)
+        variables = body.template_variables()
+        prompt = Prompt(_encode(lambda: model.encode_messages(messages, offered, variables), "messages"), None)
         top = body.top_logprobs or 0
         scoring = Scoring(top if body.logprobs else None, None, False, top=body.top_logprobs is not None)
         return await service.serve(body, model, lora, [prompt], body.token_limit(), request, chat=True,

@@ -265,6 +265,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's earlier reasoning, sent back as reasoning models' clients send it (either name):
+    # templates that keep it (gpt-oss's, before a tool call) show it to the model.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -272,6 +276,11 @@ class ChatMessage(BaseModel):
         for text in [] if v is None else [v] if isinstance(v, str) else [p.text for p in v]:
             _valid_utf8(text, "content")
         return v
+
+    @field_validator("reasoning_content", "reasoning")
+    @classmethod
+    def _utf8_reasoning(cls, v, info):
+        return v if v is None else _valid_utf8(v, info.field_name)
 
     @model_validator(mode="after")
     def _content_or_calls(self):
@@ -284,10 +293,19 @@ class ChatMessage(BaseModel):
             raise ValueError("a tool message, and only a tool message, has a tool_call_id")
         return self
 
+    def reasoning_text(self) -> str | None:
+        if self.reasoning_content is not None and self.reasoning is not None and self.reasoning_content != self.reasoning:
+            raise ValueError("reasoning_content and reasoning disagree; send one of them")
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
+
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+# What a chat template is given from the request itself (chat_template.render_chat).
+TEMPLATE_INPUTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class ChatCompletionRequest(_Generation):
@@ -299,6 +317,30 @@ class ChatCompletionRequest(_Generation):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # a forced call is one call; in "auto" the model may make several
+    # Variables for the chat template: OpenAI's reasoning_effort (gpt-oss's template reads it), and
+    # any others a template reads (vLLM's chat_template_kwargs, such as Qwen3's enable_thinking).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, object] | None = None
+
+    @model_validator(mode="after")
+    def _template_variables_leave_the_conversation_alone(self):
+        given = set(self.chat_template_kwargs or ())
+        taken = sorted(given & TEMPLATE_INPUTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {taken}: the request's own fields give them")
+        effort = (self.chat_template_kwargs or {}).get("reasoning_effort")
+        if effort is not None and self.reasoning_effort is not None and effort != self.reasoning_effort:
+            raise ValueError("reasoning_effort and chat_template_kwargs.reasoning_effort disagree; send one of them")
+        for message in self.messages:
+            message.reasoning_text()  # both names of an assistant's reasoning, agreeing
+        return self
+
+    def template_variables(self) -> dict:
+        """What the chat template sees besides the conversation and the tools."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+        return variables
 
     @model_validator(mode="after")
     def _one_limit(self):

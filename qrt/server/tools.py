@@ -64,6 +64,9 @@ def template_message(message) -> dict:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    reasoning = message.reasoning_text()
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning  # render_chat hands it on under every name templates read
     return out
 
 
