@@ -83,9 +83,10 @@ def test_compressed_tensors_weights_equal_its_dequantizer_bit_for_bit(name, desc
     assert assert_bit_equal(described, reference) == len(quantized)
 
 
-def test_modelopt_weights_equal_its_dequantizer_bit_for_bit(described):
+@pytest.mark.parametrize("name", ["modelopt-nvfp4", "modelopt-w4a16-nvfp4"])
+def test_modelopt_weights_equal_its_dequantizer_bit_for_bit(name, described):
     """The kit's reference is ModelOpt's NVFP4QTensor.dequantize in float32 of the export."""
-    folder = producer_variant("modelopt-nvfp4")
+    folder = producer_variant(name)
     load(folder)
     reference = load_tensors(folder / "reference")
     assert assert_bit_equal(described, reference) == len(json.loads((folder / "kit.json").read_text())["quantized_modules"])
@@ -169,6 +170,16 @@ def test_fp4_activations_round_each_linears_input(tmp_path):
     assert not linear_errors(model, expected, rounding)
     # Left unrounded, the inputs give other outputs: the rounding is not a no-op here.
     assert linear_errors(model, expected, lambda weight: None)
+
+
+def test_modelopt_weight_only_nvfp4_leaves_the_activations_as_they_are(tmp_path):
+    """ModelOpt's W4A16_NVFP4 (no input_scale): each linear multiplies its input, unrounded, by the
+    exact weights; NVFP4's rounding of the same inputs would give other outputs."""
+    expected = write_nvfp4(tmp_path / "w4a16", "modelopt")
+    assert not any(name.endswith("input_scale") for name in load_file(str(tmp_path / "w4a16" / "model.safetensors")))
+    model = load(tmp_path / "w4a16")
+    assert not linear_errors(model, expected, lambda weight: None)
+    assert linear_errors(model, expected, lambda weight: nvfp4_static_global(448.0 * 6 / 4.0))
 
 
 @pytest.mark.parametrize("producer", ["compressed-tensors", "modelopt"])

@@ -1,7 +1,9 @@
 """NVIDIA ModelOpt's variants: FP8 (e4m3 per-tensor weights and static per-tensor input scales,
 calibrated with max) exported by export_hf_checkpoint as a Hugging Face checkpoint with
-hf_quant_config.json; one with an FP8 KV cache too; and NVFP4 (NVFP4_DEFAULT_CFG: E2M1 weights and
-activations in groups of 16), whose reference is NVFP4QTensor.dequantize() of the export.
+hf_quant_config.json; one with an FP8 KV cache too; NVFP4 (NVFP4_DEFAULT_CFG: E2M1 weights and
+activations in groups of 16) and W4A16_NVFP4 (W4A16_NVFP4_CFG: the same weights, activations left
+alone), whose references are NVFP4QTensor.dequantize() of the export. (NVFP4_AWQ cannot be made
+here: its AWQ search runs NVFP4's fake quantizer, which asserts a CUDA tensor.)
 
 The reference holds the exported weights as ModelOpt's FP8QTensor.dequantize() gives them back
 (fp8 x weight_scale), checked against ModelOpt's fake-quantized weights (each linear's
@@ -30,6 +32,8 @@ VARIANTS = {
                         "fp8 per-tensor static"),
     "modelopt-nvfp4": ("llama", False, "NVFP4_DEFAULT_CFG", "NVFP4 weights: E2M1 codes, an e4m3 scale per 16 times "
                        "weight_scale_2 (max calibration)", NVFP4_ACTIVATIONS),
+    "modelopt-w4a16-nvfp4": ("llama", False, "W4A16_NVFP4_CFG", "NVFP4 weights: E2M1 codes, an e4m3 scale per 16 "
+                             "times weight_scale_2 (max calibration)", None),
 }
 
 
@@ -60,7 +64,7 @@ def main(variant: str, base_root: Path, out: Path) -> None:
     # The fake-quantized weights, before export_hf_checkpoint packs them (and frees the quantizers).
     # NVFP4's fake quantizer (a dynamic block quantizer) asserts a CUDA tensor, so there the weights
     # are kept as they are, to be quantized again with the exported scales.
-    nvfp4 = activation_quant == NVFP4_ACTIVATIONS
+    nvfp4 = "NVFP4" in config_name
     fake_quantized = {}
     with torch.no_grad():
         for name, module in model.named_modules():

@@ -108,9 +108,8 @@ def write_nvfp4(folder, producer: str = "compressed-tensors", activations: bool 
     config = json.loads((folder / "config.json").read_text())
     if producer == "compressed-tensors":
         config["quantization_config"] = ct_nvfp4_config(activations)
-    else:  # ModelOpt's NVFP4 always rounds activations
-        assert activations, "ModelOpt NVFP4 checkpoints carry input_scale"
-        config["quantization_config"] = modelopt_nvfp4_config()
+    else:  # ModelOpt: NVFP4 rounds activations, W4A16_NVFP4 leaves them as they are
+        config["quantization_config"] = modelopt_nvfp4_config(activations)
         if fp8_kv_cache:
             config["quantization_config"]["kv_cache_scheme"] = {"type": "float", "num_bits": 8, "dynamic": False}
     (folder / "config.json").write_text(json.dumps(config))
@@ -130,11 +129,13 @@ def ct_nvfp4_config(activations: bool) -> dict:
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-def modelopt_nvfp4_config() -> dict:
-    """As ModelOpt 0.47's export_hf_checkpoint writes it into config.json."""
+def modelopt_nvfp4_config(activations: bool = True) -> dict:
+    """As ModelOpt 0.47's export_hf_checkpoint writes it into config.json: NVFP4, or W4A16_NVFP4
+    (weights only)."""
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
-    return {"config_groups": {"group_0": {"input_activations": fp4, "weights": fp4, "targets": ["Linear"]}},
-            "ignore": ["lm_head", "model.embed_tokens"], "quant_algo": "NVFP4",
+    group = {"input_activations": fp4, "weights": fp4} if activations else {"weights": fp4}
+    return {"config_groups": {"group_0": {**group, "targets": ["Linear"]}},
+            "ignore": ["lm_head", "model.embed_tokens"], "quant_algo": "NVFP4" if activations else "W4A16_NVFP4",
             "producer": {"name": "modelopt", "version": "0.47.0"}, "quant_method": "modelopt"}
 
 
@@ -150,4 +151,6 @@ CASES = {
                                                           lut4_kernels("cpu"), lut4_kernels("cuda")),
     "stored:modelopt-nvfp4": FormatCase(lambda folder: write_nvfp4(folder, "modelopt", activations=True), None,
                                         lut4_kernels("cpu"), lut4_kernels("cuda")),
+    "stored:modelopt-w4a16_nvfp4": FormatCase(lambda folder: write_nvfp4(folder, "modelopt"), None,
+                                              lut4_kernels("cpu"), lut4_kernels("cuda")),
 }
