@@ -1,7 +1,7 @@
 // What the kernels on codes in groups, in blocks of 64 outputs, share (int4_pairs_cpu.cpp,
-// int8_groups_cpu.cpp, superblock_cpu.cpp): the store of a row tile's fp32 totals as bf16, and the
-// route for many rows, where the weight is dequantized to bf16 a tile of blocks at a time for
-// oneDNN's GEMM.
+// int8_groups_cpu.cpp, superblock_cpu.cpp, lut4_cpu.cpp): the loop of the few-rows route over
+// blocks and tiles of rows, the store of a row tile's fp32 totals as bf16, and the route for many
+// rows, where the weight is dequantized to bf16 a tile of blocks at a time for oneDNN's GEMM.
 
 #pragma once
 
@@ -9,8 +9,11 @@
 
 #include <immintrin.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "pair_gemv.h"
@@ -18,6 +21,33 @@
 namespace qrt_blocks {
 
 using qrt_pairs::kOutputs;
+using qrt_pairs::kRowsPerTile;
+
+// A tile of `rows` (1 .. Rows) rows from m0 against block b, as the kernel's
+// `block_rows(std::integral_constant<int, R>, b, m0)` takes R rows: the row count a template
+// argument, so each tile size gets its own unrolled loop and accumulators.
+template <int Rows, class BlockRows>
+inline void tile_against_block(BlockRows& block_rows, int64_t b, int64_t m0, int64_t rows) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows) return tile_against_block<Rows - 1>(block_rows, b, m0, rows);
+  }
+  block_rows(std::integral_constant<int, Rows>{}, b, m0);
+}
+
+// Few rows: every tile of kRowsPerTile rows of the M rows against each of `blocks` blocks, each
+// thread taking a run of blocks, so a block's codes are read from memory once for all the tiles.
+template <class BlockRows>
+inline void all_tiles_against_block(int64_t m_rows, int64_t b, BlockRows& block_rows) {
+  for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile)
+    tile_against_block<kRowsPerTile>(block_rows, b, m0, std::min<int64_t>(kRowsPerTile, m_rows - m0));
+}
+
+template <class BlockRows>
+void exact_rows(int64_t m_rows, int64_t blocks, BlockRows&& block_rows) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) all_tiles_against_block(m_rows, b, block_rows);
+  });
+}
 
 // Rows [m0, m0 + Rows) of block b: total[r][c] holds outputs 64 b + 16 c .. + 15 of row m0 + r in
 // fp32; plus the fp32 bias (or none), rounded to bf16 into dst [M, n].

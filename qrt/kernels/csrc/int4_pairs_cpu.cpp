@@ -41,7 +41,6 @@ namespace {
 
 using qrt_pairs::kOutputs;        // outputs per block, as in the pair GEMV (pair_gemv.h)
 using qrt_pairs::kPrefetchBytes;  // read-ahead within a block
-using qrt_pairs::kRowsPerTile;    // 16 accumulators; a block's codes come from L2 for the later tiles
 constexpr int64_t kStepBytes = 64;  // one step: 64 outputs x 2 columns x 4 bits
 
 // The four registers of a step: bf16 (128 + q) pairs of outputs 16 c .. 16 c + 15 (c = 0 .. 3).
@@ -109,26 +108,14 @@ void rows_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
   qrt_blocks::store_totals<Rows>(total, m0, b, bias, dst, n);
 }
 
-template <int Rows>
-void tile_against_block(const uint16_t* xb, int64_t k, const float* x_sums, const Int4Weight& w, int64_t b, int64_t m0,
-                        int64_t rows, const float* bias, uint16_t* dst, int64_t n) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_against_block<Rows - 1>(xb, k, x_sums, w, b, m0, rows, bias, dst, n);
-  }
-  rows_against_block<Rows>(xb, k, x_sums, w, b, m0, bias, dst, n);
-}
-
-// Few rows: every tile of rows against each block, each thread taking a run of blocks.
+// Few rows: every tile of rows against each block (block_rows.h), after each row's sums of x per group.
 void exact_rows(const at::Tensor& x, const Int4Weight& w, const float* bias, uint16_t* dst) {
   const int64_t m_rows = x.size(0), k = x.size(1), n = w.blocks * kOutputs;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   std::vector<float> x_sums(m_rows * w.groups);  // [M, groups]: sum of x per group, in fp32
   for (int64_t m = 0; m < m_rows; ++m) qrt_sums::bf16_group_sums(xb + m * k, k, 2 * w.group_steps, &x_sums[m * w.groups]);
-  at::parallel_for(0, w.blocks, 1, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b = b_begin; b < b_end; ++b)
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile)
-        tile_against_block<kRowsPerTile>(xb, k, x_sums.data(), w, b, m0, std::min<int64_t>(kRowsPerTile, m_rows - m0),
-                                         bias, dst, n);
+  qrt_blocks::exact_rows(m_rows, w.blocks, [&](auto rows, int64_t b, int64_t m0) {
+    rows_against_block<decltype(rows)::value>(xb, k, x_sums.data(), w, b, m0, bias, dst, n);
   });
 }
 

@@ -96,27 +96,7 @@ void rows_against_block(const uint16_t* xb, int64_t k, const float* x_sums, cons
   qrt_blocks::store_totals<Rows>(total, m0, b, bias, dst, n);
 }
 
-template <int Rows, class Source>
-void tile_against_block(const uint16_t* xb, int64_t k, const float* x_sums, const typename Source::Element* block,
-                        const GroupedWeight& w, int64_t b, int64_t m0, int64_t rows, const float* bias, uint16_t* dst,
-                        int64_t n) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows)
-      return tile_against_block<Rows - 1, Source>(xb, k, x_sums, block, w, b, m0, rows, bias, dst, n);
-  }
-  rows_against_block<Rows, Source>(xb, k, x_sums, block, w, b, m0, bias, dst, n);
-}
-
-template <class Source>
-void all_tiles_against_block(const uint16_t* xb, int64_t m_rows, int64_t k, const float* x_sums,
-                             const typename Source::Element* block, const GroupedWeight& w, int64_t b,
-                             const float* bias, uint16_t* dst, int64_t n) {
-  for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile)
-    tile_against_block<kRowsPerTile, Source>(xb, k, x_sums, block, w, b, m0,
-                                             std::min<int64_t>(kRowsPerTile, m_rows - m0), bias, dst, n);
-}
-
-// Few rows: every tile of rows against each block, each thread taking a run of blocks.
+// Few rows: every tile of rows against each block (block_rows.h), each thread taking a run of blocks.
 void exact_rows(const at::Tensor& x, const GroupedWeight& w, const float* bias, uint16_t* dst) {
   const int64_t m_rows = x.size(0), k = x.size(1), n = w.blocks * kOutputs;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -128,7 +108,11 @@ void exact_rows(const at::Tensor& x, const GroupedWeight& w, const float* bias, 
   at::parallel_for(0, w.blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       if (!widen_once) {
-        all_tiles_against_block<Int8Source>(xb, m_rows, k, x_sums.data(), w.block_codes(b), w, b, bias, dst, n);
+        const int8_t* codes = w.block_codes(b);
+        auto from_codes = [&](auto rows, int64_t block, int64_t m0) {
+          rows_against_block<decltype(rows)::value, Int8Source>(xb, k, x_sums.data(), codes, w, block, m0, bias, dst, n);
+        };
+        qrt_blocks::all_tiles_against_block(m_rows, b, from_codes);
         continue;
       }
       thread_local std::vector<uint16_t> widened;  // [half_k, 64, 2] bf16 bits, kept from block to block
@@ -138,7 +122,11 @@ void exact_rows(const at::Tensor& x, const GroupedWeight& w, const float* bias, 
         Int8Source::load(w.block_codes(b) + j * kStepElements, v);
         for (int c = 0; c < 4; ++c) _mm512_storeu_si512(widened.data() + j * kStepElements + 32 * c, v[c]);
       }
-      all_tiles_against_block<Bf16Source>(xb, m_rows, k, x_sums.data(), widened.data(), w, b, bias, dst, n);
+      auto from_widened = [&](auto rows, int64_t block, int64_t m0) {
+        rows_against_block<decltype(rows)::value, Bf16Source>(xb, k, x_sums.data(), widened.data(), w, block, m0, bias,
+                                                              dst, n);
+      };
+      qrt_blocks::all_tiles_against_block(m_rows, b, from_widened);
     }
   });
 }

@@ -40,7 +40,6 @@ namespace {
 
 using qrt_pairs::kOutputs;        // outputs per block
 using qrt_pairs::kPrefetchBytes;  // read-ahead within a block
-using qrt_pairs::kRowsPerTile;    // activation rows per pass over a block
 
 constexpr int64_t kStepBytes = 64;  // 64 outputs x 2 columns x 4 bits
 
@@ -125,25 +124,13 @@ void rows_against_block(const uint16_t* xb, int64_t k, const Weight& w, int64_t 
   qrt_blocks::store_totals<Rows>(total, m0, b, bias, dst, n);
 }
 
-template <int64_t Format, int Rows>
-void tile_against_block(const uint16_t* xb, int64_t k, const Weight& w, int64_t b, int64_t m0, int64_t rows,
-                        const float* bias, uint16_t* dst, int64_t n) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_against_block<Format, Rows - 1>(xb, k, w, b, m0, rows, bias, dst, n);
-  }
-  rows_against_block<Format, Rows>(xb, k, w, b, m0, bias, dst, n);
-}
-
-// Few rows: every tile of rows against each block, each thread taking a run of blocks.
+// Few rows: every tile of rows against each block (block_rows.h).
 template <int64_t Format>
 void exact_rows(const at::Tensor& x, const Weight& w, const float* bias, uint16_t* dst) {
-  const int64_t m_rows = x.size(0), k = x.size(1), n = w.blocks * kOutputs;
+  const int64_t k = x.size(1), n = w.blocks * kOutputs;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::parallel_for(0, w.blocks, 1, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b = b_begin; b < b_end; ++b)
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile)
-        tile_against_block<Format, kRowsPerTile>(xb, k, w, b, m0, std::min<int64_t>(kRowsPerTile, m_rows - m0), bias,
-                                                 dst, n);
+  qrt_blocks::exact_rows(x.size(0), w.blocks, [&](auto rows, int64_t b, int64_t m0) {
+    rows_against_block<Format, decltype(rows)::value>(xb, k, w, b, m0, bias, dst, n);
   });
 }
 
