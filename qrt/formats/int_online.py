@@ -55,26 +55,29 @@ def quantize_int_rows(w: torch.Tensor, bits: int, group_size: int, scale_dtype: 
     fractional zero points."""
     n, k = w.shape
     groups = group_count(k, group_size)
-    padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))  # [n, groups * G]
+    # A float32 copy of its own ([n, groups * G]), which the steps below overwrite in place: loading
+    # spends most of its time here, and each full-size temporary costs as much as the arithmetic.
+    padded = torch.empty(n, groups * group_size, dtype=torch.float32, device=w.device)
+    padded[:, :k].copy_(w)
     grid = padded.view(n, groups, group_size)
     if bits == 8:
         # Padding zeros cannot raise a group's amax, so the partial last group is unaffected.
+        padded[:, k:].zero_()
         amax = grid.abs().amax(dim=-1)  # [n, groups]
         scales = divide_exactly(amax, 127.0).clamp(min=_MIN_SCALE).to(scale_dtype)
         zeros = torch.full_like(amax, 128.0)
-        q = (grid / scales.float()[..., None]).round().clamp(-127, 127) + 128
+        q = grid.div_(scales.float()[..., None]).round_().clamp_(-127, 127).add_(128)
     else:
         maxq = 2**bits - 1
         # Pad with each row's last value, which lies in the partial group: padding never widens its range.
-        grid = torch.where(torch.arange(groups * group_size, device=grid.device).view(groups, group_size) < k, grid,
-                           w.float()[:, -1:, None])
+        padded[:, k:].copy_(padded[:, k - 1:k].expand(n, groups * group_size - k))
         low, high = grid.amin(dim=-1), grid.amax(dim=-1)  # [n, groups]
         scales = divide_exactly(high - low, maxq).clamp(min=_MIN_SCALE).to(scale_dtype)
         # A fractional zero point puts code 0 exactly on the group's minimum (W = q * s + min): both
         # ends of the range are used, where an integer zero wastes up to half a step at each end.
         zeros = -low / scales.float()
-        q = ((grid / scales.float()[..., None]) + zeros[..., None]).round().clamp(0, maxq)
-    return q.reshape(n, -1)[:, :k].to(torch.int32), scales, zeros
+        q = grid.div_(scales.float()[..., None]).add_(zeros[..., None]).round_().clamp_(0, maxq)
+    return q.view(n, -1)[:, :k].to(torch.int32), scales, zeros
 
 
 def _quantize_into(param, loaded: torch.Tensor, shard_id, *, layer, method):
