@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "helpers" / "hopper_shared_memory.py"
 # A Hopper SM's largest shared-memory allocation for one block: 227 KiB (what Triton reported as
@@ -17,6 +19,7 @@ SCRIPT = ROOT / "tests" / "helpers" / "hopper_shared_memory.py"
 HOPPER_SHARED_BYTES = 232448
 
 
+@pytest.mark.slow  # a minute of Triton compiles for sm_90; the quick loop's Triton checks run the interpreter
 def test_every_triton_gemm_tile_fits_a_hopper_sms_shared_memory():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900,
