@@ -75,11 +75,12 @@ def test_every_registered_format_has_a_case():
 # qrt.int8_linear_cpu (online:w8a8 compiles it); marlin-24, gguf, GPTQ, AWQ and compressed-tensors'
 # int weight-only the int4 pack kernel (online:int4 compiles it); online:int8 the int8 pack kernel
 # (online:int4's int8 lm_head compiles it); bitsandbytes and the NVFP4 formats (ModelOpt's two
-# among them) qrt::lut4_linear's reference in fp32 (stored:mxfp4 compiles it).
+# among them) qrt::lut4_linear's reference in fp32 (stored:mxfp4 compiles it); compressed-tensors'
+# MXFP4 (bf16) qrt's lut4 CPU kernel, which tests/test_lut4_kernels.py compiles fullgraph.
 COMPILED_IN_SLOW = {"side-file:hf_quant_config.json", "compressed-tensors:int W8A8", "online:int4-g128",
                     "stored:qqq", "compressed-tensors:marlin-24", "stored:gguf", "stored:bitsandbytes",
                     "compressed-tensors:nvfp4-pack-quantized", "stored:modelopt-nvfp4", "stored:modelopt-w4a16_nvfp4",
-                    "stored:awq", "stored:gptq", "online:int8",
+                    "stored:awq", "stored:gptq", "online:int8", "compressed-tensors:mxfp4-pack-quantized",
                     "compressed-tensors:int weight-only"}
 
 
