@@ -10,6 +10,8 @@ compressed-tensors' NVFP4 under other names, so the linear method is the one of
 compressed_tensors/nvfp4.py.
 """
 
+from dataclasses import replace
+
 from qrt.errors import UnsupportedError
 from qrt.formats.compressed_tensors.nvfp4 import Nvfp4LinearMethod, Nvfp4Tensors
 from qrt.formats.registry import stored_format
@@ -17,8 +19,7 @@ from qrt.formats.scheme import QuantScheme
 
 _TENSORS = Nvfp4Tensors("ModelOpt", "weight", "weight_scale", "weight_scale_2", global_divides=False,
                         input_global="input_scale", input_global_inverted=True)
-_WEIGHT_ONLY_TENSORS = Nvfp4Tensors("ModelOpt", "weight", "weight_scale", "weight_scale_2", global_divides=False,
-                                    input_global=None)
+_WEIGHT_ONLY_TENSORS = replace(_TENSORS, input_global=None, input_global_inverted=False)
 
 
 @stored_format("modelopt-nvfp4", computes=("qrt.lut4_linear",),

@@ -14,7 +14,7 @@ c_n that keeps q - c_n in int8 is exact in the kernel (int8 widens to bf16 exact
 the output's zero points (their median) makes the offsets small, so rounding them to bf16 costs
 least: 0 for symmetric GPTQ (zero 128) and Q6_K-like codes (zero 32). The centre is per output, not
 per layer, because a fused layer's shards may come from different formats: GGUF's Q5_K_M fuses q
-and k in Q5_1 (codes 0..31, zero 0) with v in Q8_0 (codes around 128), and one centre of 128 would
+and k in Q5_1 (codes 0..31, zero points within them) with v in Q8_0 (zero 128), and one centre of 128 would
 leave q and k with offsets of ~112 scales, whose bf16 rounding is a 4% error in their weights.
 
 Numerics (bf16 models): scales and offsets rounded to bf16 once, at load time. Below
@@ -59,7 +59,7 @@ def code_centres(q: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """The centres c [N] (int32) subtracted from the unsigned codes q [K, N], one per output: the
     median of its zero points [K / g, N], rounded, moved as little as needed to keep each of its
     q - c within int8."""
-    low, high = q.amin(dim=0).int(), q.amax(dim=0).int()  # [N]
+    low, high = (bound.int() for bound in torch.aminmax(q, dim=0))  # [N] each
     median = zeros.float().median(dim=0).values.round().int()  # [N]
     return torch.minimum(torch.maximum(median, high - 127), low + 128)
 

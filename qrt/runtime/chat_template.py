@@ -38,6 +38,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from qrt.errors import QrtError
 
 MAX_TEMPLATE_BYTES = 1 << 20
+# The names render_chat gives a template from the conversation itself; variables never replace them.
+CONVERSATION_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # Characters a prompt may render to per token of the model's context: English averages about 4
 # per token and code or whitespace runs reach 10 or so; a prompt whose tokens average more than
 # 32 characters would not be a prompt the context holds, and the bound keeps a template from

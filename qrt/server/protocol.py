@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qrt.runtime import structured
+from qrt.runtime.chat_template import CONVERSATION_NAMES
 from qrt.runtime.logprobs import MAX_TOP
 
 from . import tools as tool_calls
@@ -283,6 +284,12 @@ class ChatMessage(BaseModel):
         return v if v is None else _valid_utf8(v, info.field_name)
 
     @model_validator(mode="after")
+    def _one_reasoning(self):
+        if self.reasoning_content is not None and self.reasoning is not None and self.reasoning_content != self.reasoning:
+            raise ValueError("reasoning_content and reasoning disagree; send one of them")
+        return self
+
+    @model_validator(mode="after")
     def _content_or_calls(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content (only an assistant's message with tool_calls "
@@ -294,18 +301,12 @@ class ChatMessage(BaseModel):
         return self
 
     def reasoning_text(self) -> str | None:
-        if self.reasoning_content is not None and self.reasoning is not None and self.reasoning_content != self.reasoning:
-            raise ValueError("reasoning_content and reasoning disagree; send one of them")
         return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-# What a chat template is given from the request itself (chat_template.render_chat).
-TEMPLATE_INPUTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class ChatCompletionRequest(_Generation):
@@ -325,14 +326,12 @@ class ChatCompletionRequest(_Generation):
     @model_validator(mode="after")
     def _template_variables_leave_the_conversation_alone(self):
         given = set(self.chat_template_kwargs or ())
-        taken = sorted(given & TEMPLATE_INPUTS)
+        taken = sorted(given & CONVERSATION_NAMES)
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {taken}: the request's own fields give them")
         effort = (self.chat_template_kwargs or {}).get("reasoning_effort")
         if effort is not None and self.reasoning_effort is not None and effort != self.reasoning_effort:
             raise ValueError("reasoning_effort and chat_template_kwargs.reasoning_effort disagree; send one of them")
-        for message in self.messages:
-            message.reasoning_text()  # both names of an assistant's reasoning, agreeing
         return self
 
     def template_variables(self) -> dict:
