@@ -9,7 +9,9 @@ import time
 from qrt.chat_input import MessageReader
 from qrt.conversation import ContextFull, Conversation
 from qrt.errors import QrtError
+from qrt.runtime.reasoning import CONTENT, REASONING
 
+_DIM, _PLAIN = "\x1b[2m", "\x1b[0m"  # a terminal's faint text, and back
 # Room for a full answer from a small chat model that still leaves three quarters of the default
 # 2048-token context to the conversation.
 MAX_NEW_TOKENS = 512
@@ -167,7 +169,7 @@ class Chat:
             self._note(f"the conversation outgrew the context of {model.max_seq_len} tokens "
                        f"({args.max_new_tokens} kept for the answer); dropped the oldest {dropped} "
                        f"exchange{'s' if dropped > 1 else ''}")
-        answer = _StreamedAnswer(model, self.out)
+        answer = _StreamedAnswer(model, self.out, ids)
         # Until the answer is in the conversation, Ctrl-C only asks it to stop: one that comes
         # as the answer ends must not lose the turn.
         with _Interrupts() as interrupts:
@@ -183,7 +185,7 @@ class Chat:
             if answer.error is not None:
                 raise answer.error
             answer.finish()
-            self.conversation.add(message, answer.text)
+            self.conversation.add(message, answer.content, answer.reasoning)
             if answer.stopped:
                 self._note("answer stopped; what was shown stays in the conversation")
             elif answer.length_cut(args.max_new_tokens):
@@ -214,13 +216,21 @@ class Chat:
 
 class _StreamedAnswer:
     """The stream callback of one answer: each token's text printed as soon as it is safe to
-    show (a character's bytes may span tokens), and the answer kept as shown."""
+    show (a character's bytes may span tokens), and the answer kept as shown. A reasoning
+    model's reasoning (qrt/runtime/reasoning.py) is shown first, dimmed on a terminal and
+    labelled, and kept apart from the answer."""
 
-    def __init__(self, model, out):
+    def __init__(self, model, out, prompt_ids: list[int]):
+        from qrt.runtime import reasoning
         from qrt.runtime.text_stream import TextStream
 
         self.eos_ids = model.eos_ids
         self.text_stream = TextStream(model.tokenizer)
+        parser = reasoning.parser_for(model.tokenizer.chat_template)
+        self.split = reasoning.split_for(parser, model.tokenizer, prompt_ids)
+        self.parts = {reasoning.REASONING: "", reasoning.CONTENT: ""}  # the answer's text so far, by field
+        self.showing = None  # the field of the text printed last
+        self.styled = getattr(out, "isatty", lambda: False)()
         self.out = out
         self.tokens: list[int] = []
         self.interrupts = None
@@ -235,8 +245,9 @@ class _StreamedAnswer:
             raise _Stop
         try:
             self.tokens.append(token)
+            self.split.token(token)
             if token not in self.eos_ids:  # an end-of-turn token ends the answer, it is not text
-                self._show(self.text_stream.add(token))
+                self._show(self.split.text(self.text_stream.add(token)))
         except Exception as err:
             # The engine would take this for a request to stop; it is kept to be raised once
             # the engine is done with the request.
@@ -244,18 +255,35 @@ class _StreamedAnswer:
             raise
 
     def finish(self) -> None:
-        self._show(self.text_stream.flush())
-        self.out.write("\n")
+        self._show(self.split.text(self.text_stream.flush()) + self.split.end())
+        self.out.write((_PLAIN if self.styled and self.showing == REASONING else "") + "\n")
         self.out.flush()
 
     @property
-    def text(self) -> str:
-        return self.text_stream.text
+    def content(self) -> str:
+        return self.parts[CONTENT]
+
+    @property
+    def reasoning(self) -> str | None:
+        return self.parts[REASONING] or None
 
     def length_cut(self, max_new_tokens: int) -> bool:
         return len(self.tokens) >= max_new_tokens and self.tokens[-1] not in self.eos_ids
 
-    def _show(self, piece: str) -> None:
-        if piece:
+    def _show(self, pieces: list[tuple[str, str]]) -> None:
+        for field, piece in pieces:
+            self.parts[field] += piece
+            if field != self.showing:
+                self.out.write(self._turn_to(field))
+                self.showing = field
             self.out.write(piece)
+        if pieces:
             self.out.flush()
+
+    def _turn_to(self, field: str) -> str:
+        """What is printed where the answer turns from one part to the other."""
+        if field == REASONING:
+            return (_DIM if self.styled else "") + "thinking: "
+        if self.showing == REASONING:
+            return (_PLAIN if self.styled else "") + "\n\n"
+        return ""

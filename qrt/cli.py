@@ -20,6 +20,7 @@ from qrt.runtime.compiled import BUILDS
 from qrt.runtime.distributed import leave_process_group
 from qrt.runtime.evaluate import DEFAULT_WINDOW
 from qrt.runtime.lora import DEFAULT_MAX_LORA_RANK, check_name
+from qrt.runtime.reasoning import PARSERS as REASONING_PARSERS
 from qrt.runtime.speculative import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
 from qrt.server.affinity import DEFAULT_PREFIX_CHARS
 from qrt.server.tools import READERS as TOOL_CALL_READERS
@@ -157,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(reuse never changes a result; it only saves time)")
     srv.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_READERS), default="auto",
                      help="how tool_choice \"auto\" reads the model's calls (default: from the chat template)")
+    srv.add_argument("--reasoning-parser", choices=("auto", "none", *REASONING_PARSERS), default="auto",
+                     help="how a chat answer's reasoning is told from its content and sent apart as "
+                          "reasoning_content: \"think\" (<think> tags), \"harmony\" (gpt-oss's channels), "
+                          "\"none\" (all of it is content) (default: from the chat template)")
     srv.add_argument("--served-model-name", default=None,
                      help="the `model` clients send (default: the checkpoint folder's name, or 'default')")
     srv.add_argument("--replicas", type=int, default=1,
@@ -356,7 +361,7 @@ def _serve(args) -> int:
                  model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  max_body_bytes=args.max_body_bytes, chunk_size=chunk_size,
                  max_batch=args.max_batch, prefix_caching=args.prefix_caching, tool_call_parser=args.tool_call_parser,
-                 drain_timeout_s=args.shutdown_timeout, allow_runtime_lora=args.allow_runtime_lora)
+                 reasoning_parser=args.reasoning_parser, drain_timeout_s=args.shutdown_timeout, allow_runtime_lora=args.allow_runtime_lora)
 
 
 # What the front alone uses: each replica serves on a port of its own on 127.0.0.1, with its share

@@ -22,8 +22,11 @@ class Conversation:
         tail = [{"role": "user", "content": user}] if user is not None else []
         return head + self.turns + tail
 
-    def add(self, user: str, answer: str) -> None:
-        self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    def add(self, user: str, answer: str, reasoning: str | None = None) -> None:
+        """One exchange; the answer's reasoning, if it has one, goes to the template, which keeps
+        or drops it as the model was trained to see it."""
+        said = {"role": "assistant", "content": answer}
+        self.turns += [{"role": "user", "content": user}, said if reasoning is None else {**said, "reasoning_content": reasoning}]
 
     def reset(self) -> None:
         """Forget the turns; the system prompt stays."""

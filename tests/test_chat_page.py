@@ -6,8 +6,10 @@ the server too, refusals are shown in words, and a server with --api-key gets it
 once and kept for the tab."""
 
 import fnmatch
+import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -313,6 +315,51 @@ def test_refusals_are_shown_in_words_and_the_message_comes_back(servers, browser
     page.fill("temperature", 5)
     page.type_message(Keys.ENTER)
     page.wait_for(lambda: page.text("error") == "Temperature must be a number from 0 to 2.")
+
+
+# ChatML whose generation prompt opens a reasoning block, as DeepSeek-R1's does: the tiny model's
+# answer is then all reasoning (it will not happen to write </think>).
+THINKING_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                     "{{ message['content'].split('</think>')[-1] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(chat_llama_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("thinking-model")
+    shutil.copytree(chat_llama_dir, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    server = Server(folder / "server.log", [folder])
+    try:
+        server.wait_ready(START_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@needs_browser
+def test_a_reasoning_models_reasoning_is_shown_in_a_fold_above_the_answer(thinking_server, browser):
+    from selenium.webdriver.common.keys import Keys
+
+    page = Page(browser, thinking_server.url)
+    page.wait_for(lambda: page.text("status") == "Ready.")
+    page.fill("temperature", 0)
+    page.fill("max-tokens", 24)
+    page.type_message("Think first", Keys.ENTER)
+    page.wait_for(lambda: page.answers() and page.answers()[-1]["meta"])
+    reply = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=WAIT_S, json={
+        "model": NAME, "messages": [{"role": "user", "content": "Think first"}], "max_tokens": 24, "temperature": 0})
+    expected = reply.json()["choices"][0]["message"]
+    assert expected["content"] == "" and expected["reasoning_content"]
+    shown = page.js("const m = document.querySelector('.message.assistant');"
+                    "const fold = m.querySelector('details.reasoning');"
+                    "return {thought: fold.querySelector('.thought').textContent, open: fold.open,"
+                    " before: fold.nextElementSibling === m.querySelector('.body'),"
+                    " answer: m.querySelector('.body').textContent}")
+    # Shown as the server sent it, as text, open while no answer has begun, above the answer.
+    assert shown == {"thought": expected["reasoning_content"], "open": True, "before": True, "answer": ""}
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ conversation is kept is checked by construction instead: greedy answers and prom
 The command runs with --eager: the reference ops need no compile, which would cost more than
 everything else here, and give the same tokens in both processes."""
 
+import io
 import json
 import os
 import re
@@ -206,3 +207,38 @@ def test_a_model_without_a_chat_template_is_refused(chat_llama_dir, tmp_path, ca
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert main(["chat", str(folder), "--eager"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("out", [io.StringIO, _Terminal], ids=["piped", "terminal"])
+def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(tmp_path, out):
+    """A <think> answer, token by token as the engine hands it over: the reasoning is labelled
+    (and dimmed on a terminal), the answer follows it, and the conversation keeps them apart so
+    that the template decides what the model sees of earlier reasoning."""
+    from tiny_tokenizer import write_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from qrt.chat_terminal import _StreamedAnswer
+    from qrt.conversation import Conversation
+
+    (tmp_path / "config.json").write_text("{}")
+    write_tokenizer(tmp_path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# </think> #}"
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = type("Model", (), {"tokenizer": tokenizer, "eos_ids": {eos}})()
+    shown = out()
+    answer = _StreamedAnswer(model, shown, tokenizer.encode("<|im_start|>assistant\n"))
+    for token in tokenizer.encode("<think>\nTwo and two.\n</think>\n\nIt is 4.") + [eos]:
+        answer.take(token)
+    answer.finish()
+    dim, plain = ("\x1b[2m", "\x1b[0m") if out is _Terminal else ("", "")
+    assert shown.getvalue() == f"{dim}thinking: Two and two.{plain}\n\nIt is 4.\n"
+    assert (answer.reasoning, answer.content) == ("Two and two.", "It is 4.")
+    conversation = Conversation(None)
+    conversation.add("2 + 2?", answer.content, answer.reasoning)
+    assert conversation.messages()[-1] == {"role": "assistant", "content": "It is 4.", "reasoning_content": "Two and two."}

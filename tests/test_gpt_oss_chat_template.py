@@ -111,3 +111,34 @@ def test_channel_tags_inside_a_message_are_refused_with_the_templates_words(toke
                 {"role": "user", "content": "Again"}]
     with pytest.raises(ChatTemplateError, match="containing <|channel|> tags in the content field"):
         render_chat(tokenizer, messages, None, MAX_CHARS, "gpt-oss")
+
+
+@pytest.mark.parametrize("turn", [
+    {"role": "assistant", "reasoning_content": "A simple sum.", "content": "Quatre."},
+    {"role": "assistant", "reasoning_content": "The weather tool knows.", "tool_calls": [CALL]},
+], ids=["reasoning and an answer", "reasoning and a call"])
+def test_an_answer_the_template_writes_splits_back_into_its_parts(tokenizer, tmp_path, turn):
+    """An assistant turn as the template writes it (rendered by transformers) after the generation
+    prompt (rendered by qrt) is what gpt-oss generates: tokenized with the harmony markers as special tokens, qrt's reasoning split gives
+    back the turn's reasoning, answer and call."""
+    from tiny_tokenizer import write_tokenizer
+
+    from qrt.runtime.reasoning import parser_for, split_for
+
+    (tmp_path / "config.json").write_text("{}")
+    write_tokenizer(tmp_path)
+    harmony = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    harmony.add_special_tokens({"additional_special_tokens": [
+        "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]})
+    harmony.chat_template = tokenizer.chat_template
+    asked = [{"role": "user", "content": "2 + 2, or the weather in Paris?"}]
+    prompt = render_chat(harmony, asked, [WEATHER], MAX_CHARS, "gpt-oss")
+    written = harmony.apply_chat_template(_as_transformers_takes_it(asked + [turn]), tools=[WEATHER], tokenize=False)
+    assert written.startswith(prompt)
+    ids = harmony.encode(written[len(prompt):], add_special_tokens=False)
+    assert parser_for(harmony.chat_template) == "harmony"
+    split = split_for("harmony", harmony, harmony.encode(prompt))
+    reasoning, content = split.whole(ids, harmony.decode(ids, skip_special_tokens=True))
+    assert reasoning == turn["reasoning_content"] and content == turn.get("content", "")
+    expected_calls = [("weather", json.dumps(CALL["function"]["arguments"]))] if "tool_calls" in turn else []
+    assert split.calls == expected_calls

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from qrt.runtime import reasoning
 from qrt.runtime.lora import UnknownAdapter
 from qrt.runtime.sampling import SamplingParams
 
@@ -33,9 +34,10 @@ RETRY_AFTER_S = 1
 class Service:
     """What the routes share: the engine loop, who may call, how many requests may wait."""
 
-    def __init__(self, loop, model_name: str, api_key: str | None, max_queue: int, tool_call_parser: str):
+    def __init__(self, loop, model_name: str, api_key: str | None, max_queue: int, tool_call_parser: str,
+                 reasoning_parser: str):
         self.loop, self.model_name, self.api_key = loop, model_name, api_key
-        self.max_queue, self.tool_call_parser = max_queue, tool_call_parser
+        self.max_queue, self.tool_call_parser, self.reasoning_parser = max_queue, tool_call_parser, reasoning_parser
         self._budgets = self._gate = None  # made with the model: they read its settings
 
     def limits(self, model) -> tuple[Budgets, GrammarGate]:
@@ -76,6 +78,11 @@ class Service:
             return model, body.model
         raise model_not_found(body.model, self.model_name, model)
 
+    def _reasoning_parser(self, model) -> str | None:
+        if self.reasoning_parser == "auto":
+            return reasoning.parser_for(model.tokenizer.chat_template)
+        return None if self.reasoning_parser == "none" else self.reasoning_parser
+
     async def serve(self, body, model, lora: str | None, prompts: list[Prompt], limit: int | None,
                     request: Request, chat: bool, scoring: Scoring):
         """Check a request's choices, queue them on the engine and answer, whole or streamed."""
@@ -115,7 +122,8 @@ class Service:
         reader = (tools.reader_for(model.tokenizer.chat_template) if self.tool_call_parser == "auto"
                   else self.tool_call_parser)
         reply = Reply(chat, body.model, prompt_tokens, LogprobShapes(model.tokenizer), scoring, prompts,
-                      body.tools if chat else None, body.tool_mode() if chat else None, reader)
+                      body.tools if chat else None, body.tool_mode() if chat else None, reader,
+                      self._reasoning_parser(model))
         # Submitted last: from here on the answer (delivery.py) owns the choices and cancels them.
         running = [self.loop.submit(engine_request, asyncio.get_running_loop()) for engine_request in engine_requests]
         if body.stream:
@@ -125,11 +133,13 @@ class Service:
 
 def create_app(loop, *, model_name: str, api_key: str | None = None, max_queue: int = 64,
                max_body_bytes: int = 1 << 20, drain_timeout_s: float = 600, tool_call_parser: str = "auto",
-               allow_runtime_lora: bool = False) -> FastAPI:
+               reasoning_parser: str = "auto", allow_runtime_lora: bool = False) -> FastAPI:
     """loop: an EngineLoop, started with the app and stopped (after its requests finish) with it.
     tool_call_parser: how "auto" tool choice reads calls (tools.READERS), or "auto" for the one
-    of the chat template's family. allow_runtime_lora: serve the LoRA load and unload endpoints."""
-    service = Service(loop, model_name, api_key, max_queue, tool_call_parser)
+    of the chat template's family. reasoning_parser: how a chat answer's reasoning is told from its
+    content (reasoning.PARSERS, "none", or "auto" for the chat template's family).
+    allow_runtime_lora: serve the LoRA load and unload endpoints."""
+    service = Service(loop, model_name, api_key, max_queue, tool_call_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -118,13 +118,17 @@ async def stream(running: list, reply: Reply, include_usage: bool):
                 yield _event(reply.echo_chunk(index, seq, include_usage))
             if update.logprob is not None:
                 pending[index].append(update.logprob)
-            if update.text and reply.tool_mode is None:
-                yield _event(reply.chunk(index, update.text, None, pending[index], include_usage))
-                pending[index] = []
+            if reply.tool_mode is None:
+                ended = update.finish_reason is not None
+                pieces = (reply.deltas(index, update.token, update.text, ended) if reply.chat
+                          else [update.text] if update.text else [])
+                for piece in pieces:
+                    yield _event(reply.chunk(index, piece, None, pending[index], include_usage))
+                    pending[index] = []
             if update.finish_reason is not None:
                 finish_reason = update.finish_reason
                 if reply.tool_mode is not None:  # the answer goes whole: only now is it known to be calls
-                    message, finish_reason = reply.message(seq)
+                    message, finish_reason = reply.message(index, seq)
                     yield _event(reply.chunk(index, message, None, pending[index], include_usage))
                     pending[index] = []
                 yield _event(reply.chunk(index, None, finish_reason, pending[index], include_usage))

@@ -1,10 +1,12 @@
 """The JSON of a completions or chat completions answer: whole, or as the chunks of a stream, for
-one choice per prompt (n choices of each), with scores, echo and tool calls where asked."""
+one choice per prompt (n choices of each), with scores, echo and tool calls where asked, and a chat
+answer's reasoning apart from its content where the model's family writes it apart (reasoning.py)."""
 
 import time
 import uuid
 from dataclasses import dataclass
 
+from qrt.runtime import reasoning
 from qrt.runtime.engine import STOP
 
 from . import tools
@@ -37,11 +39,14 @@ class Reply:
 
     def __init__(self, chat: bool, model_name: str, prompt_tokens: int, shapes: LogprobShapes, scoring: Scoring,
                  prompts: list[Prompt], offered: list | None = None, tool_mode: str | None = None,
-                 reader: str = "hermes"):
+                 reader: str = "hermes", reasoning_parser: str | None = None):
         self.chat, self.model, self.prompt_tokens = chat, model_name, prompt_tokens
         self.shapes, self.scoring, self.prompts = shapes, scoring, prompts
         self.offered, self.tool_mode = offered, tool_mode  # the request's tools, and tools.py's mode
         self.reader = reader  # tools.READERS' key for "auto"
+        self.reasoning_parser = reasoning_parser if chat else None  # reasoning.PARSERS' key, or None
+        # Per choice, the split of its streamed text (made on its first token).
+        self.streamed_splits: list[reasoning.Split | None] = [None] * len(prompts)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.sent = [[] for _ in prompts]  # per choice, the ids whose text went out (for text_offset)
@@ -80,7 +85,7 @@ class Reply:
                 if self.scoring.echo:
                     logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
             if self.chat:
-                message, finish_reason = self.message(seq)
+                message, finish_reason = self.message(index, seq)
                 choices.append({"index": index, "message": {"role": "assistant", **message},
                                 "logprobs": logprobs, "finish_reason": finish_reason})
             else:
@@ -90,15 +95,37 @@ class Reply:
         completion_tokens = sum(len(seq.tokens) for seq in sequences)
         return {**self._head(kind), "choices": choices, "usage": self.usage(completion_tokens)}
 
-    def message(self, seq) -> tuple[dict, str]:
-        """A chat choice's answer ({"content"}, or {"content", "tool_calls"}) and finish_reason.
-        A complete answer in a tool mode is read for calls; one cut short stays text."""
+    def _split(self, index: int) -> reasoning.Split:
+        return reasoning.split_for(self.reasoning_parser, self.shapes.tokenizer, self.prompts[index].ids)
+
+    def message(self, index: int, seq) -> tuple[dict, str]:
+        """Choice `index`'s answer ({"content"}, with "reasoning_content" and "tool_calls" where it
+        has them) and finish_reason. A complete answer in a tool mode is read for calls, in the
+        model's own call syntax where its split reads one; one cut short stays text."""
+        split = self._split(index)
+        thought, content = split.whole(seq.tokens, seq.text)
+        message = {"content": content} if thought is None else {"content": content, "reasoning_content": thought}
         if self.tool_mode is None or seq.finish_reason != STOP:
-            return {"content": seq.text}, seq.finish_reason
-        content, calls = tools.read_answer(seq.text, self.offered, self.tool_mode, self.reader)
+            return message, seq.finish_reason
+        calls = tools.own_syntax_calls(split.calls, self.offered, self.tool_mode)
         if not calls:
-            return {"content": content}, seq.finish_reason
-        return {"content": content, "tool_calls": calls}, "tool_calls"
+            content, calls = tools.read_answer(content, self.offered, self.tool_mode, self.reader)
+        if not calls:
+            return {**message, "content": content}, seq.finish_reason
+        return {**message, "content": content, "tool_calls": calls}, "tool_calls"
+
+    def deltas(self, index: int, token: int | None, text: str, ended: bool) -> list[dict]:
+        """A streamed choice's new token and text as chunk deltas, {"reasoning_content"} and
+        {"content"} pieces in the order they came."""
+        split = self.streamed_splits[index]
+        if split is None:
+            split = self.streamed_splits[index] = self._split(index)
+        if token is not None:
+            split.token(token)
+        pieces = split.text(text) if text else []
+        if ended:
+            pieces += split.end()
+        return [{field: piece} for field, piece in pieces]
 
     def echo_chunk(self, index: int, seq, include_usage: bool) -> dict:
         """A completions stream's first chunk of a choice with echo: its prompt (and its scores)."""

@@ -12,7 +12,7 @@ from qrt.runtime.engine import DEFAULT_CHUNK
 def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, max_body_bytes: int = 1 << 20, chunk_size: int = DEFAULT_CHUNK,
           max_batch: int = 8, drain_timeout_s: float = 600, prefix_caching: bool = True,
-          tool_call_parser: str = "auto", allow_runtime_lora: bool = False) -> int:
+          tool_call_parser: str = "auto", reasoning_parser: str = "auto", allow_runtime_lora: bool = False) -> int:
     """load(): the compiled, warm CompiledModel (called on the engine thread). Returns the exit code."""
     import uvicorn
 
@@ -43,7 +43,7 @@ def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, a
     metrics.watch(loop)
     app = create_app(loop, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s, tool_call_parser=tool_call_parser,
-                     allow_runtime_lora=allow_runtime_lora)
+                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s)
     server = DrainingServer(config, draining=loop.draining, in_hand=loop.in_hand, timeout_s=drain_timeout_s)

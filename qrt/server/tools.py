@@ -96,6 +96,13 @@ def read_answer(text: str, tools: list, mode: str, reader: str = "hermes") -> tu
     return (content.strip() or None), [_call(name, arguments) for name, arguments in calls]
 
 
+def own_syntax_calls(calls: list[tuple[str, str]], tools: list, mode: str) -> list[dict]:
+    """The calls a model made in a syntax its reasoning split reads (gpt-oss's messages to
+    `functions.NAME`), as tool_calls: those of offered tools (of the one named, in that mode)."""
+    names = {tool.function.name for tool in tools} if mode in ("auto", "required") else {mode}
+    return [_call(name, _loaded(arguments.strip())) for name, arguments in calls if name in names]
+
+
 def reader_for(chat_template: str | None) -> str:
     """The tool-call reader of a chat template's family, from the markers it writes; "hermes"
     where none is found (the format most open templates copy)."""

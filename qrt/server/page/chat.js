@@ -17,7 +17,7 @@
     keySave: $("key-save"), keyCancel: $("key-cancel"),
   };
   const state = {
-    history: [], // the finished turns: {role, content}
+    history: [], // the finished turns: {role, content}, and reasoning_content where an answer had it
     models: null, // the ids GET v1/models listed, once it answered
     controller: null, // the AbortController of the answer being streamed
     conversation: 0, // counts New chats, so that an answer stopped by one is not filed in the next
@@ -148,6 +148,30 @@
     if (follow) el.log.scrollTop = el.log.scrollHeight;
   }
 
+  // A reasoning model's reasoning (the stream's reasoning_content), as plain text in a fold above
+  // the answer: open while the model reasons, folded once the answer begins.
+  function renderReasoning(node, thought, answering) {
+    const follow = nearBottom();
+    let fold = node.querySelector(".reasoning");
+    if (!fold) {
+      fold = document.createElement("details");
+      fold.className = "reasoning";
+      fold.open = true;
+      const summary = document.createElement("summary");
+      summary.textContent = "Reasoning";
+      const text = document.createElement("div");
+      text.className = "thought";
+      fold.append(summary, text);
+      node.querySelector(".body").before(fold);
+    }
+    fold.querySelector(".thought").textContent = thought; // shown as written, never as markup
+    if (answering && !fold.dataset.folded) {
+      fold.open = false;
+      fold.dataset.folded = "yes"; // folded once: a reader who opens it again keeps it open
+    }
+    if (follow) el.log.scrollTop = el.log.scrollHeight;
+  }
+
   function setBusy(busy) {
     el.send.disabled = busy;
     el.stop.disabled = !busy;
@@ -228,6 +252,7 @@
     const timing = { started: performance.now(), first: 0, last: 0, chunks: 0, usage: null, finish: null,
                      stopped: false };
     let reply = "";
+    let thought = "";
     let done = false;
     let failure = null;
     let frame = 0;
@@ -246,14 +271,17 @@
         if (chunk.usage) timing.usage = chunk.usage;
         for (const choice of chunk.choices || []) {
           const piece = choice.delta && choice.delta.content;
-          if (piece) {
-            reply += piece;
+          const reasoning = choice.delta && choice.delta.reasoning_content;
+          if (piece || reasoning) {
+            reply += piece || "";
+            thought += reasoning || "";
             timing.chunks += 1;
             timing.last = performance.now();
             timing.first = timing.first || timing.last;
             // One render per frame, however fast the pieces come.
             frame = frame || requestAnimationFrame(() => {
               frame = 0;
+              if (thought) renderReasoning(answer, thought, reply !== "");
               renderAnswer(answer, reply);
             });
           }
@@ -270,7 +298,7 @@
       setBusy(false);
     }
     if (conversation !== state.conversation) return; // New chat cleared the page meanwhile
-    if (failure && !reply) {
+    if (failure && !reply && !thought) {
       question.remove();
       answer.remove();
       el.empty.hidden = el.log.querySelector(".message") !== null;
@@ -279,8 +307,12 @@
       throw failure;
     }
     answer.classList.remove("pending");
+    if (thought) renderReasoning(answer, thought, reply !== "");
     renderAnswer(answer, reply);
-    state.history.push({ role: "user", content: text }, { role: "assistant", content: reply });
+    // The reasoning goes back with the answer: the chat template keeps or drops it.
+    const said = thought ? { role: "assistant", content: reply, reasoning_content: thought }
+                         : { role: "assistant", content: reply };
+    state.history.push({ role: "user", content: text }, said);
     const meta = document.createElement("p");
     meta.className = "meta";
     meta.textContent = statsLine(timing);
