@@ -3,6 +3,7 @@
 import pytest
 
 from helpers.kernel_checks import fp8_cpu_kernel
+from qrt import runtime
 from qrt.cli import main
 
 FP8_KERNEL = fp8_cpu_kernel("qrt.fp8_linear")
@@ -84,3 +85,23 @@ def test_draft_flags_without_a_draft_method_are_refused(chat_llama_dir, capsys):
     assert "--draft and --draft-quant need --speculative draft" in capsys.readouterr().err
     assert main(["generate", str(chat_llama_dir), "--speculative", "mtp", "--draft", "other"]) == 2
     assert "--draft and --draft-quant need --speculative draft" in capsys.readouterr().err
+
+
+def test_generate_prints_a_reasoning_models_answer_and_its_reasoning_apart(chat_llama_dir, tmp_path, capsys):
+    """A template whose generation prompt opens a <think> block (as DeepSeek-R1's does): the tiny
+    model's answer is all reasoning, which goes to stderr, labelled, leaving stdout the answer."""
+    import json
+    import shutil
+
+    folder = tmp_path / "thinker"
+    shutil.copytree(chat_llama_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'].split('</think>')[-1] }}"
+                               "<|im_end|>\n{% endfor %}<|im_start|>assistant\n<think>\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["generate", str(folder), "--eager", "--prompt", "Think", "--max-new-tokens", "12"]) == 0
+    captured = capsys.readouterr()
+    model = runtime.compile_model(folder, compile=False, progress=False)
+    whole = model.generate("Think", 12, chat=True)  # the same greedy answer, as one text
+    assert "</think>" not in whole and whole.strip()
+    assert f"thinking: {whole.strip()}\n" in captured.err and captured.out == "\n"  # no answer after it
