@@ -190,6 +190,12 @@ def test_a_harmony_call_of_an_offered_tool_becomes_a_tool_call(tokenizer):
     assert message["content"] == "Looking it up."
     (call,) = message["tool_calls"]
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    # A call with nothing said beside it has no content, as OpenAI sends it.
+    answer = HARMONY_ANSWERS["the recipient in the channel"][0]
+    ids = _harmony(tokenizer, answer)
+    alone = SimpleNamespace(tokens=ids, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=STOP)
+    message, finish = _reply(tokenizer, "auto").message(0, alone)
+    assert finish == "tool_calls" and message["content"] is None and "reasoning_content" not in message
     # Cut short, the answer stays as it is, its call not read.
     message, finish = _reply(tokenizer, "auto").message(0, SimpleNamespace(**{**vars(seq), "finish_reason": LENGTH}))
     assert finish == LENGTH and "tool_calls" not in message

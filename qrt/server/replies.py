@@ -112,7 +112,7 @@ class Reply:
             content, calls = tools.read_answer(content, self.offered, self.tool_mode, self.reader)
         if not calls:
             return {**message, "content": content}, seq.finish_reason
-        return {**message, "content": content, "tool_calls": calls}, "tool_calls"
+        return {**message, "content": content or None, "tool_calls": calls}, "tool_calls"
 
     def deltas(self, index: int, token: int | None, text: str, ended: bool) -> list[dict]:
         """A streamed choice's new token and text as chunk deltas, {"reasoning_content"} and
