@@ -1,7 +1,13 @@
-"""A reasoning model's answer through `qrt serve`, as the openai client reads it: the tiny chat
-model given a Qwen3-style chat template (its </think> marks the family), its answer forced by a
-regular expression into a reasoning block and an answer. The reasoning comes back apart, as
-`reasoning_content`, whole and streamed; with `--reasoning-parser none` it stays in the content."""
+"""A reasoning model's answer through `qrt serve`, as the openai client reads it.
+
+- The tiny chat model given a Qwen3-style chat template (its </think> marks the family), its answer
+  forced by a regular expression into a reasoning block and an answer. The reasoning comes back
+  apart, as `reasoning_content`, whole and streamed; with `--reasoning-parser none` it stays in the
+  content.
+- The same model with gpt-oss's harmony markers as special tokens of its tokenizer and a template
+  that writes them, its answer forced by a grammar that names the special tokens (llguidance's
+  `<|name|>`), so that the engine generates the markers as gpt-oss does, as ids: an analysis
+  message and a final one, or a call of an offered tool."""
 
 import json
 import shutil
@@ -80,6 +86,66 @@ def test_a_stream_sends_the_reasoning_first_then_the_answer(thinker):
     kinds = [key for key, _ in fields]
     assert kinds == sorted(kinds, key=["reasoning_content", "content"].index)
     assert len(kinds) > 2  # streamed in pieces, not sent whole at the end
+
+
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+# gpt-oss's framing of a conversation, cut down: an earlier answer goes back as its final channel.
+HARMONY_TEMPLATE = ("{% for message in messages %}<|start|>{{ message['role'] }}"
+                    "{% if message['role'] == 'assistant' %}<|channel|>final{% endif %}<|message|>"
+                    "{{ message['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+ANSWERED = ('start: <|channel|> "analysis" <|message|> "Two and two make four." <|end|> <|start|> "assistant" '
+            '<|channel|> "final" <|message|> "It is 4."')
+CALLED = ('start: <|channel|> "analysis" <|message|> "The tool knows." <|end|> '
+          '<|start|> "assistant to=functions.weather" <|channel|> "commentary " <|constrain|> "json" '
+          '<|message|> "{\\"city\\": \\"Paris\\"}" <|call|>')
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def harmony_client(chat_llama_dir, tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-harmony")
+    shutil.copytree(chat_llama_dir, folder, dirs_exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    tokenizer.eos_token = "<|return|>"
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    ends = [tokenizer.convert_tokens_to_ids(marker) for marker in ("<|return|>", "<|call|>")]
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": ends}))
+    server, client = _client(folder, tmp_path_factory.mktemp("harmony") / "server.log")
+    try:
+        yield client
+    finally:
+        server.stop()
+
+
+def test_gpt_oss_channels_come_apart_by_their_special_tokens(harmony_client):
+    reply = harmony_client.chat.completions.create(model=NAME, messages=ASK, max_tokens=96,
+                                                   extra_body={"guided_grammar": ANSWERED})
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (REASONING, ANSWER)
+    fields = []
+    for chunk in harmony_client.chat.completions.create(model=NAME, messages=ASK, max_tokens=96, stream=True,
+                                                        extra_body={"guided_grammar": ANSWERED}):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump(exclude_none=True)
+            fields += [(key, value) for key, value in delta.items() if key in ("content", "reasoning_content") and value]
+    assert "".join(text for key, text in fields if key == "reasoning_content") == REASONING
+    assert "".join(text for key, text in fields if key == "content") == ANSWER  # no channel names, no "assistant"
+
+
+def test_a_gpt_oss_call_of_an_offered_tool_is_a_tool_call(harmony_client):
+    reply = harmony_client.chat.completions.create(model=NAME, messages=ASK, max_tokens=96, tools=[WEATHER],
+                                                   extra_body={"guided_grammar": CALLED})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "The tool knows."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert choice.message.content is None
 
 
 def test_with_the_parser_off_the_reasoning_stays_in_the_content(thinker_dir, tmp_path):
