@@ -169,7 +169,7 @@ class Chat:
             self._note(f"the conversation outgrew the context of {model.max_seq_len} tokens "
                        f"({args.max_new_tokens} kept for the answer); dropped the oldest {dropped} "
                        f"exchange{'s' if dropped > 1 else ''}")
-        answer = _StreamedAnswer(model, self.out, ids)
+        answer = StreamedAnswer(model, self.out, ids)
         # Until the answer is in the conversation, Ctrl-C only asks it to stop: one that comes
         # as the answer ends must not lose the turn.
         with _Interrupts() as interrupts:
@@ -214,7 +214,7 @@ class Chat:
         sys.stderr.flush()
 
 
-class _StreamedAnswer:
+class StreamedAnswer:
     """The stream callback of one answer: each token's text printed as soon as it is safe to
     show (a character's bytes may span tokens), and the answer kept as shown. A reasoning
     model's reasoning (qrt/runtime/reasoning.py) is shown first, dimmed on a terminal and

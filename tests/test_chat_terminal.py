@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import pexpect
 import pytest
@@ -153,6 +154,12 @@ def test_ctrl_c_stops_an_answer_keeps_it_and_clears_a_typed_line(chat_llama_dir,
         assert saved[1]["content"]  # what was shown stays in the conversation
 
         chat.child.send("a line never sent")
+        # Ctrl-C once readline waits for more keys: Python's readline loop looks at signals only
+        # when one interrupts its select(), so a SIGINT that lands while it is still taking in the
+        # typed keys goes unnoticed until the line ends, and the test would wait for a prompt that
+        # never comes.
+        chat.child.expect_exact("a line never sent")
+        time.sleep(0.5)
         chat.child.send("\x03")
         chat.prompt()
         chat.child.sendline("go on")
@@ -222,7 +229,7 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(tmp_path, out
     from tiny_tokenizer import write_tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from qrt.chat_terminal import _StreamedAnswer
+    from qrt.chat_terminal import StreamedAnswer
     from qrt.conversation import Conversation
 
     (tmp_path / "config.json").write_text("{}")
@@ -232,7 +239,7 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_kept_apart(tmp_path, out
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model = type("Model", (), {"tokenizer": tokenizer, "eos_ids": {eos}})()
     shown = out()
-    answer = _StreamedAnswer(model, shown, tokenizer.encode("<|im_start|>assistant\n"))
+    answer = StreamedAnswer(model, shown, tokenizer.encode("<|im_start|>assistant\n"))
     for token in tokenizer.encode("<think>\nTwo and two.\n</think>\n\nIt is 4.") + [eos]:
         answer.take(token)
     answer.finish()
