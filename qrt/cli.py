@@ -318,10 +318,14 @@ def _generate(args) -> int:
     def stream(token_id):
         tokens.append(token_id)
 
-    text = model.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, chat=chat, stream=stream, lora=args.use_lora)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                "stream": stream, "lora": args.use_lora}
+    if chat:
+        answer = model.chat(args.prompt, args.max_new_tokens, **sampling)
+        thought, text = answer.reasoning, answer.content
+    else:
+        thought, text = None, model.generate(args.prompt, args.max_new_tokens, **sampling)
     elapsed = time.perf_counter() - started
-    thought, text = _reasoning_apart(model, args.prompt, tokens, text) if chat else (None, text)
     if thought is not None:  # a reasoning model's reasoning goes with qrt's notes: stdout is the answer
         print(f"thinking: {thought}", file=sys.stderr)
     print(text)
@@ -331,14 +335,6 @@ def _generate(args) -> int:
         print(f"qrt: speculative decoding kept {speculator.accepted} of {speculator.proposed} guesses in "
               f"{speculator.checks} checks", file=sys.stderr)
     return 0
-
-
-def _reasoning_apart(model, prompt: str, tokens: list[int], text: str) -> tuple[str | None, str]:
-    """(reasoning or None, answer) of a chat answer, told apart as `qrt serve` tells them."""
-    from qrt.runtime import reasoning
-
-    parser = reasoning.parser_for(model.tokenizer.chat_template)
-    return reasoning.split_for(parser, model.tokenizer, model.encode(prompt, True)).whole(tokens, text)
 
 
 def _chat(args) -> int:

@@ -12,7 +12,7 @@ from qrt.checkpoint.loader import load_model
 from qrt.checkpoint.tokenizer import eos_token_ids
 from qrt.layers.prepack import prepack_cpu_weights
 
-from . import embedding, structured
+from . import embedding, reasoning, structured
 from .chat_template import max_render_chars, render_chat
 from .compile_cache import CompileCache, checkpoint_identity, entry_key, use_qrt_inductor_dir
 from .distributed import rank_device, tensor_parallel
@@ -26,6 +26,7 @@ from .lora import (DEFAULT_MAX_LORA_RANK, LoraSet, UnknownAdapter, check_unsuppo
 from .malloc import map_large_allocations
 from .mtp_graphs import PredictionGraphs
 from .pooling import Pooling, choose_pooling
+from .reasoning import ChatAnswer
 from .registry import ModelRegistry
 from .resolve import resolve
 from .sampling import SamplingParams
@@ -287,7 +288,8 @@ class CompiledModel(GraphRunner):
                  lora: str | None = None):
         """str in -> str out (the new text); token ids (list or 1-D tensor) in -> new ids out.
 
-        chat=True wraps a str prompt in the tokenizer's chat template as one user turn.
+        chat=True wraps a str prompt in the tokenizer's chat template as one user turn, and returns
+        the answer's text whole (a reasoning model's reasoning in it; `chat` gives it apart).
         stop: strings that end the output where they first appear (not included in the text).
         stream: optional callable receiving each new token id as it is produced.
         lora: the name of a loaded LoRA adapter to run with (None: the base model).
@@ -295,9 +297,32 @@ class CompiledModel(GraphRunner):
         """
         text_in = isinstance(prompt, str)
         ids = self.encode(prompt, chat) if text_in else prompt
+        seq = self._run_one(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), text_in,
+                            stop_at_eos=stop_at_eos, stop=stop, stream=stream, lora=lora)
+        return seq.text if text_in else seq.tokens
+
+    def chat(self, conversation, max_new_tokens: int = 256, *, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
+             stream=None, lora: str | None = None, template_variables: dict | None = None) -> ChatAnswer:
+        """The assistant's answer to a conversation in the chat template: a str (one user turn) or
+        messages ([{"role", "content"}, …]). A reasoning model's reasoning (<think> blocks,
+        gpt-oss's analysis channel) comes back apart from its content, as `qrt serve` returns them;
+        template_variables: what the template reads beside the messages (reasoning_effort, …).
+        stream: optional callable receiving each new token id."""
+        messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else list(conversation)
+        ids = self.encode_messages(messages, template_variables=template_variables)
+        seq = self._run_one(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), True, stop=stop,
+                            stream=stream, lora=lora)
+        split = reasoning.split_for(reasoning.parser_for(self.tokenizer.chat_template), self.tokenizer, ids)
+        thought, content = split.whole(seq.tokens, seq.text)
+        return ChatAnswer(content, thought, seq.tokens)
+
+    def _run_one(self, ids, max_new_tokens: int, sampling: SamplingParams, text: bool, *, stop_at_eos: bool = True,
+                 stop=(), stream=None, lora=None):
+        """One request through the engine, run to its end: its finished sequence."""
         ids = self._check_ids(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), allow_batch=False)
-        request = self.request(ids[0].tolist(), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                               stop_at_eos=stop_at_eos, stop_strings=tuple(stop), text=text_in, lora=lora)
+        request = self.request(ids[0].tolist(), max_new_tokens, sampling, stop_at_eos=stop_at_eos,
+                               stop_strings=tuple(stop), text=text, lora=lora)
 
         def listener(update):
             if stream is not None and update.token is not None:
@@ -305,7 +330,7 @@ class CompiledModel(GraphRunner):
 
         seq = self.engine.submit(request, listener)
         self._run_engine([seq])
-        return seq.text if text_in else seq.tokens
+        return seq
 
     def generate_batch(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,

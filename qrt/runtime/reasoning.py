@@ -15,11 +15,25 @@ bytes are held back). It hands back (field, text) pieces, field being REASONING 
 
 import bisect
 import re
+from dataclasses import dataclass
 
 from .text_stream import TextStream
 
 REASONING, CONTENT = "reasoning_content", "content"
 PARSERS = ("harmony", "think")
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """An assistant's answer (`CompiledModel.chat`): its content, its reasoning apart (None where
+    the model gave none, or its template does not set reasoning apart), and the ids it generated."""
+
+    content: str
+    reasoning: str | None
+    tokens: list[int]
+
+    def __str__(self) -> str:
+        return self.content
 
 
 def parser_for(chat_template: str | None) -> str | None:
