@@ -161,3 +161,20 @@ def test_unpack_rows_to_bytes_is_the_int32_unpack(bits, rows):
     as_bytes = unpack_rows(words, bits, rows, torch.uint8)
     assert as_bytes.dtype == torch.uint8 and torch.equal(as_bytes.to(torch.int32), unpack_rows(words, bits, rows))
     assert torch.equal(unpack_rows(words, bits, rows), q)
+
+
+def test_the_dense_fallback_holds_its_weight_row_major():
+    """Weights no quantized kernel takes are dequantized for ATen's linear as [N, K] row-major: the
+    integer form dequantizes to a transposed view, which ATen's bf16 GEMM on a CPU without AVX-512
+    multiplied 25x slower (the default model's output layer)."""
+    from qrt.kernels.int_reference import IntWeights
+    from qrt.kernels.onednn_cpu import DENSE
+
+    k, n, group = 64, 96, 32
+    gen = torch.Generator().manual_seed(0)
+    weights = IntWeights(torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32),
+                         torch.rand(k // group, n, generator=gen) + 0.5, torch.full((k // group, n), 8.0), 4, group)
+    assert not weights.dequantize().is_contiguous()  # the case this guards: a [K, N] buffer seen as [N, K]
+    packed = DENSE.pack(weights, torch.bfloat16).tensors["weight"]
+    assert packed.shape == (n, k) and packed.stride() == (k, 1)
+    assert torch.equal(packed, weights.dequantize().to(torch.bfloat16))
