@@ -12,6 +12,7 @@ from helpers.checkpoints.gpt_oss import quantize_mxfp4
 from helpers.checkpoints.tiny import make_checkpoint
 from qrt.formats.mxfp4 import mxfp4_weights
 from qrt.kernels.choices import choose
+from qrt.kernels.onednn_cpu import onednn_prepack_supported
 
 from . import FormatCase
 
@@ -54,6 +55,8 @@ def kernels(device: str) -> frozenset:
     return frozenset({choose("qrt.lut4_linear", device, weights=sample, dtype=torch.bfloat16).op})
 
 
-# A compiled bf16 CPU model prepacks its dense lm_head for oneDNN (layers/prepack.py).
-CASES = {f"compressed-tensors:{FORMAT}": FormatCase(write_ct_mxfp4, None, kernels("cpu") | {"qrt.onednn_linear"},
+# A compiled bf16 CPU model prepacks its dense lm_head for oneDNN (layers/prepack.py) where oneDNN
+# has bf16 kernels (not on an AVX2 CPU: there the lm_head stays ATen's linear, which no pass swaps).
+PREPACKED_LM_HEAD = frozenset({"qrt.onednn_linear"}) if onednn_prepack_supported(torch.bfloat16) else frozenset()
+CASES = {f"compressed-tensors:{FORMAT}": FormatCase(write_ct_mxfp4, None, kernels("cpu") | PREPACKED_LM_HEAD,
                                                     kernels("cuda"), dtype="bfloat16")}

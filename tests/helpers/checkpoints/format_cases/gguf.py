@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from helpers.checkpoints.tiny import make_checkpoint
 
+from qrt.kernels import native_cpu
+
 from . import INT_CUDA, FormatCase
 
 # The tiny Llama's linears by GGUF name, and the type each is written in: every kept type runs,
@@ -116,8 +118,7 @@ def _case(folder) -> None:
 
 # float32, as the other cases' checkpoints are (a GGUF file names no dtype: bf16 by default),
 # so that compiled and eager agree to float32 rounding and no dense layer is packed for bf16.
-CASES = {
-    # Q4_0/Q4_1 layers run the int4 kernel, Q8_0 (ffn_down) the byte-wide grouped one.
-    "stored:gguf": FormatCase(_case, None, frozenset({"qrt.int4pack_linear", "qrt.int8_groups_linear"}), INT_CUDA,
-                              dtype="float32"),
-}
+# Q4_0/Q4_1 layers run the int4 kernel, Q8_0 (ffn_down) the byte-wide grouped one where qrt's library
+# is built; without it (a CPU without AVX-512) Q8_0 is dequantized for ATen's linear, which no pass swaps.
+CPU_KERNELS = frozenset({"qrt.int4pack_linear", *(["qrt.int8_groups_linear"] if native_cpu.available() else [])})
+CASES = {"stored:gguf": FormatCase(_case, None, CPU_KERNELS, INT_CUDA, dtype="float32")}
