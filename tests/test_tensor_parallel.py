@@ -38,8 +38,12 @@ from qrt.checkpoint.config import DeviceConfig, LoadConfig
 from qrt.errors import ConfigError, UnsupportedError
 from qrt.checkpoint.loader import load_model
 from qrt.formats.resolve import resolve_scheme
+from qrt.kernels import native_cpu
 from qrt.layers.tensor_parallel import Parallelism
 from qrt.runtime.registry import ModelRegistry
+
+# Ranks on one host all-reduce through shared memory, with qrt's library; through gloo without it.
+HOST_ALL_REDUCE = "shm" if native_cpu.available() else "gloo"
 
 WORKER = Path(__file__).parent / "helpers" / "tp_worker.py"
 TIMEOUT_S = 300  # every torchrun below ends well within this, or the test fails
@@ -168,8 +172,9 @@ def test_every_format_shards_with_logits_and_greedy_tokens_of_one_rank(format_fo
         # Every rank computes the same logits, bit for bit (the tokens are rank 0's, broadcast).
         if not torch.equal(got["ranks"][0]["logits"], got["ranks"][1]["logits"]):
             failures.append(f"{name}: the ranks' logits differ")
-        # Both ranks are on this host's CPU: their all-reduces go through shared memory.
-        if [rank["all_reduce_path"] for rank in got["ranks"]] != ["shm", "shm"]:
+        # Both ranks are on this host's CPU: their all-reduces go through shared memory (gloo where
+        # qrt's library, which holds the shared-memory all-reduce, is not built).
+        if [rank["all_reduce_path"] for rank in got["ranks"]] != [HOST_ALL_REDUCE] * 2:
             failures.append(f"{name}: all-reduces through {[rank['all_reduce_path'] for rank in got['ranks']]}")
     assert not failures, "\n".join(failures)
 
@@ -390,9 +395,12 @@ def test_dump_lists_the_collectives_of_each_rank(format_folders, tmp_path):
         assert "ok: 2 decode steps under torch.compiler.set_stance('fail_on_recompile'), no recompiles" in index
         assert "- prefill: 1 graph(s), 0 break(s)" in index and "- decode: 1 graph(s), 0 break(s)" in index
         # each role: two all-reduces in the layer body, one for the embedding (through shared
-        # memory: both ranks are on this host), one gather of the logits (gloo's, waited for)
+        # memory: both ranks are on this host; gloo's, each waited for, without qrt's library), one
+        # gather of the logits (gloo's, waited for)
+        collectives = ("shm_all_reduce x3, wait_tensor x1" if HOST_ALL_REDUCE == "shm"
+                       else "all_reduce x3, wait_tensor x4")
         for role in ("prefill", "decode", "forward"):
-            assert f"- {role} graph 0: all_gather_into_tensor x1, shm_all_reduce x3, wait_tensor x1" in index, index
+            assert f"- {role} graph 0: all_gather_into_tensor x1, {collectives}" in index, index
 
 
 # ---- faults -------------------------------------------------------------------------------------
