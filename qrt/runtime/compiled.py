@@ -26,7 +26,6 @@ from .lora import (DEFAULT_MAX_LORA_RANK, LoraSet, UnknownAdapter, check_unsuppo
 from .malloc import map_large_allocations
 from .mtp_graphs import PredictionGraphs
 from .pooling import Pooling, choose_pooling
-from .reasoning import ChatAnswer
 from .registry import ModelRegistry
 from .resolve import resolve
 from .sampling import SamplingParams
@@ -303,7 +302,7 @@ class CompiledModel(GraphRunner):
 
     def chat(self, conversation, max_new_tokens: int = 256, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
-             stream=None, lora: str | None = None, template_variables: dict | None = None) -> ChatAnswer:
+             stream=None, lora: str | None = None, template_variables: dict | None = None) -> reasoning.ChatAnswer:
         """The assistant's answer to a conversation in the chat template: a str (one user turn) or
         messages ([{"role", "content"}, …]). A reasoning model's reasoning (<think> blocks,
         gpt-oss's analysis channel) comes back apart from its content, as `qrt serve` returns them;
@@ -315,7 +314,7 @@ class CompiledModel(GraphRunner):
                             stream=stream, lora=lora)
         split = reasoning.split_for(reasoning.parser_for(self.tokenizer.chat_template), self.tokenizer, ids)
         thought, content = split.whole(seq.tokens, seq.text)
-        return ChatAnswer(content, thought, seq.tokens)
+        return reasoning.ChatAnswer(content, thought, seq.tokens)
 
     def _run_one(self, ids, max_new_tokens: int, sampling: SamplingParams, text: bool, *, stop_at_eos: bool = True,
                  stop=(), stream=None, lora=None):
