@@ -31,15 +31,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(PY) -m qrt generate --prompt "What is the capital of France? Answer in one sentence."
 
+# The suites run in two pytest-xdist workers, each with its share of the cores: compiling, which
+# dominates their time, is mostly single-threaded Python. A file's tests stay in one worker, so its
+# module fixtures (compiled models) are built once. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest --durations=25
+	$(PYTEST) --durations=25
 
 test-slow: setup
-	$(PY) -m pytest -m slow
+	$(PYTEST) -m slow --durations=25
 
 # The bench scripts run end to end on tiny models, so that they cannot rot (CI runs this too).
 test-bench: setup $(VENV)/.bench-installed
-	$(PY) -m pytest -m bench
+	$(PYTEST) -m bench --durations=25
 
 # Checkpoints quantized by the real producers, each in a virtualenv of its own pins, cached by a
 # hash of tests/producers (the first build takes about half an hour on 2 cores).
@@ -47,7 +53,7 @@ producer-kit: setup
 	$(PY) tests/producers/build.py
 
 test-producers: producer-kit
-	$(PY) -m pytest -m producers
+	$(PYTEST) -m producers --durations=25
 
 bench: setup
 	$(PY) -m bench.decode --json bench/results/decode.json

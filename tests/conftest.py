@@ -15,6 +15,13 @@ if (_user_cache / "models").is_dir():
 os.environ["QRT_CACHE_DIR"] = str(_run_cache)
 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
+# Under pytest-xdist (`make test` runs two workers), the cores are shared out among the workers:
+# two workers each running two OpenMP threads on two cores spend their time spinning against each
+# other. Set before torch is imported, so that torch and every process a test starts inherit it.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _cores = len(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 # Triton kernels run on the CPU only in interpreter mode, which must be chosen before triton is
 # first imported: here, before any test module imports a kernel file.
 import torch  # noqa: E402  (importing torch does not import triton)

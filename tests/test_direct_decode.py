@@ -34,12 +34,16 @@ def test_decode_skips_dynamo_and_gives_the_guarded_steps_logits(compiled, llama_
     assert model.direct_decode is not None, "the warmed-up decode graph was not captured"
     counting = CountingCalls(model.graph_functions["decode"])
     model.graph_functions["decode"] = counting
+    # A model whose decode graph came from the compile cache (the session's `compiled` models are
+    # rebuilt after a test resets Dynamo, and then load what an earlier build stored) is traced
+    # once on entering `guarded`: one more call through Dynamo.
+    tracing_call = int("decode" in model.loaded_roles)
     try:
         direct = _greedy_logits(model, list(range(30, 41)), 12)
         assert counting.calls == 0
         with no_recompiles(model):
             guarded = _greedy_logits(model, list(range(30, 41)), 12)
-        assert counting.calls == 12
+        assert counting.calls == 12 + tracing_call
     finally:
         model.graph_functions["decode"] = counting.fn
     for step, (a, b) in enumerate(zip(direct, guarded)):
