@@ -52,8 +52,9 @@ test-bench: setup $(VENV)/.bench-installed
 producer-kit: setup
 	$(PY) tests/producers/build.py
 
+# Its tests are one file, so they are dealt out one by one rather than by file.
 test-producers: producer-kit
-	$(PYTEST) -m producers --durations=25
+	$(PYTEST) -m producers --dist load --durations=25
 
 bench: setup
 	$(PY) -m bench.decode --json bench/results/decode.json

@@ -1,19 +1,33 @@
 """Shared fixtures: tiny checkpoints and compiled models, made once per session because
 compiling dominates the suite's time on two cores."""
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-# Every compile of the suite starts cold and leaves nothing behind: qrt's compile cache and the
-# Inductor caches it keeps go to a folder of this run. The converted default model is reused
-# from the user's cache when it is there (converting it again costs seconds and tests nothing new).
+# Every test process starts with an empty compile cache of qrt's own, in a folder of its own, so
+# that a test sees a model compiled or loaded as its own process made it. The converted default
+# model is reused from the user's cache when it is there (converting it again costs seconds and
+# tests nothing new).
 _user_cache = Path(os.environ.get("QRT_CACHE_DIR") or "~/.cache/qrt").expanduser()
 _run_cache = Path(tempfile.mkdtemp(prefix="qrt-test-cache-"))
+atexit.register(shutil.rmtree, _run_cache, ignore_errors=True)
 if (_user_cache / "models").is_dir():
-    (_run_cache / "models").symlink_to(_user_cache / "models")
+    (_run_cache / "models").symlink_to((_user_cache / "models").resolve())
 os.environ["QRT_CACHE_DIR"] = str(_run_cache)
-os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+# Inductor's caches (generated code, compiled C++ kernels, FX and AOTAutograd graphs) are shared by
+# the workers of a run, and by several runs where QRT_TEST_INDUCTOR_CACHE names a folder (CI's
+# suites share one): the suites compile the same tiny models in many processes, and Inductor keys
+# each entry on the graph's own contents, so a hit is the code a cold compile would have made.
+# Dynamo still traces, and qrt's passes still run, in every process. A folder this run made goes
+# with it; the workers of pytest-xdist inherit the variable from the process that starts them.
+if "QRT_TEST_INDUCTOR_CACHE" not in os.environ:
+    os.environ["QRT_TEST_INDUCTOR_CACHE"] = tempfile.mkdtemp(prefix="qrt-test-inductor-")
+    atexit.register(shutil.rmtree, os.environ["QRT_TEST_INDUCTOR_CACHE"], ignore_errors=True)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["QRT_TEST_INDUCTOR_CACHE"]
 
 # Under pytest-xdist (`make test` runs two workers), the cores are shared out among the workers:
 # two workers each running two OpenMP threads on two cores spend their time spinning against each
