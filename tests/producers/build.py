@@ -246,7 +246,10 @@ def main() -> int:
         "failed": failed,
         "seconds": seconds,
     }
-    summary_path.write_text(json.dumps(summary, indent=2))
+    # Written beside and renamed into place: tests read it to find the kit, possibly while it builds.
+    partial_summary = summary_path.with_suffix(".json.partial")
+    partial_summary.write_text(json.dumps(summary, indent=2))
+    partial_summary.replace(summary_path)
     log(f"{len(built)} variants built, {len(failed)} failed, {seconds['total (this run)']:.0f} s: {kit}")
     print(kit)
     return 1 if failed else 0
