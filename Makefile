@@ -33,9 +33,10 @@ demo: setup
 
 # The suites run in two pytest-xdist workers, each with its share of the cores: compiling, which
 # dominates their time, is mostly single-threaded Python. A file's tests stay in one worker, so its
-# module fixtures (compiled models) are built once. TEST_WORKERS=0 runs them in this process.
+# module fixtures (compiled models) are built once; files of minutes (marked runs_first) are dealt
+# out first, the rest by size (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PYTEST) --durations=25

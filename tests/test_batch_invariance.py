@@ -17,7 +17,7 @@ from qrt.runtime.default_model import default_model_path
 from qrt.runtime.evaluate import DEFAULT_TEXT
 from qrt.runtime.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.runs_first]  # the default model compiled and served
 
 SLOTS, MAX_SEQ_LEN, NEW_TOKENS = 4, 1024, 48
 PROMPT_TOKENS = (12, 300, 57, 140)  # different lengths: different attended extents in every decode step

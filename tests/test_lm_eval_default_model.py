@@ -16,6 +16,7 @@ KEY = "lm-eval-key"
 
 
 @pytest.mark.slow  # a real 135M model served and scored three ways: a few minutes
+@pytest.mark.runs_first
 def test_served_scores_are_as_close_to_float32_as_transformers_bf16(tmp_path, monkeypatch):
     from qrt.runtime.default_model import default_model_path
 

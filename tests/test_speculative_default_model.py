@@ -14,7 +14,7 @@ from qrt.runtime.default_model import default_model_path
 from qrt.runtime.evaluate import DEFAULT_TEXT
 from qrt.runtime.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.runs_first]  # minutes of bf16 default-model work
 
 K, SLOTS, MAX_SEQ_LEN = 3, 3, 1024
 

@@ -29,6 +29,8 @@ from qrt.runtime.engine import Engine
 from qrt.runtime.sampling import SamplingParams
 from tiny_tokenizer import write_tokenizer
 
+pytestmark = pytest.mark.runs_first  # its bf16 checks take minutes on a CPU without bf16 arithmetic
+
 K, SLOTS, MAX_SEQ_LEN, VOCAB = 3, 3, 128, 300
 
 
