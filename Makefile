@@ -45,8 +45,9 @@ test-slow: setup
 	$(PYTEST) -m slow --durations=25
 
 # The bench scripts run end to end on tiny models, so that they cannot rot (CI runs this too).
+# Each test runs its script in processes of its own, so they are dealt out one by one.
 test-bench: setup $(VENV)/.bench-installed
-	$(PYTEST) -m bench --durations=25
+	$(PYTEST) -m bench --dist load --durations=25
 
 # Checkpoints quantized by the real producers, each in a virtualenv of its own pins, cached by a
 # hash of tests/producers (the first build takes about half an hour on 2 cores).

@@ -55,6 +55,7 @@ def test_the_float32_model_holds_the_weights_qrt_quantizes_to(quant, tmp_path):
 
 
 @pytest.mark.bench  # lm-eval's imports, two qrt servers, three transformers runs: about two minutes
+@pytest.mark.runs_first
 def test_the_bench_scores_the_tiny_chat_model_against_its_float32_model(chat_llama_dir, capsys):
     assert lm_eval_quant.main(["--model", str(chat_llama_dir), "--quant", "none,int4"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| none |", "| int4 |"))]

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.bench  # a minute of bench subprocesses: `make test-bench`, which CI runs after `make test`
+@pytest.mark.runs_first
 def test_startup_smoke_run(tmp_path):
     checkpoint = tmp_path / "tiny-llama"
     make_checkpoint(checkpoint, "llama", dtype=torch.bfloat16, num_hidden_layers=2)
