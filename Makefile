@@ -54,9 +54,10 @@ test-bench: setup $(VENV)/.bench-installed
 producer-kit: setup
 	$(PY) tests/producers/build.py
 
-# Its tests are one file, so they are dealt out one by one rather than by file.
+# Its tests are one file, so they are dealt out one by one rather than by file, except the groups
+# that share one torchrun per world size (xdist_group marks).
 test-producers: producer-kit
-	$(PYTEST) -m producers --dist load --durations=25
+	$(PYTEST) -m producers --dist loadgroup --durations=25
 
 bench: setup
 	$(PY) -m bench.decode --json bench/results/decode.json

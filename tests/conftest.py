@@ -134,9 +134,10 @@ def compiled():
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected what this run leaves out
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist, which deals out whole files in the order of `items`
-    (--no-loadscope-reorder): files marked runs_first first, then the others by how many tests
-    they hold. A file of minutes dealt out last would leave one worker running it alone."""
+    """Under pytest-xdist, which deals out whole files (or xdist_group groups) in the order of
+    `items` (--no-loadscope-reorder): tests marked runs_first first, then the files that hold them,
+    then the others by how many tests they hold. A file of minutes dealt out last would leave one
+    worker running it alone."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     files: dict[str, list] = {}
@@ -144,4 +145,5 @@ def pytest_collection_modifyitems(items):
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
     order = sorted(files.values(), key=lambda tests: (not any(t.get_closest_marker("runs_first") for t in tests),
                                                       -len(tests)))
-    items[:] = [item for tests in order for item in tests]
+    ordered = [item for tests in order for item in tests]
+    items[:] = sorted(ordered, key=lambda item: item.get_closest_marker("runs_first") is None)

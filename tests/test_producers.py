@@ -371,6 +371,10 @@ def check_sharded(name: str, tp: int, got: dict, compiled: bool) -> None:
         assert rank["report"] == expected_report, rank["report"]
 
 
+# One torchrun serves every variant at a world size (the module fixtures above): under pytest-xdist
+# its tests stay in one worker (`make test-producers` deals out groups), and start first.
+@pytest.mark.xdist_group("tp2")
+@pytest.mark.runs_first
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 @pytest.mark.parametrize("name", VARIANTS)
 def test_float32_at_tp2_matches_the_producers_reference(name, mode, sharded_in_two):
@@ -391,6 +395,8 @@ SPLIT_IN_FOUR = {"gptqmodel-w4g128-actorder", "llmc-fp8-static", "llmc-fp8-dynam
                  *(name for name in VARIANTS if name.startswith("bnb-"))}
 
 
+@pytest.mark.xdist_group("tp4")
+@pytest.mark.runs_first
 @pytest.mark.parametrize("name", VARIANTS)
 def test_compiled_float32_at_tp4_matches_the_producers_reference_or_is_refused(name, sharded_in_four):
     got = sharded_in_four[f"{name} compiled"]
