@@ -134,16 +134,14 @@ def compiled():
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected what this run leaves out
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist, which deals out whole files (or xdist_group groups) in the order of
-    `items` (--no-loadscope-reorder): tests marked runs_first first, then the files that hold them,
-    then the others by how many tests they hold. A file of minutes dealt out last would leave one
-    worker running it alone."""
+    """Under pytest-xdist, which deals out whole files (or xdist_group groups) in the order in
+    which `items` first names them (--no-loadscope-reorder): tests marked runs_first first, the
+    others after them, each part with the files that hold more tests first. A file of minutes
+    dealt out last would leave one worker running it alone."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files.values(), key=lambda tests: (not any(t.get_closest_marker("runs_first") for t in tests),
-                                                      -len(tests)))
-    ordered = [item for tests in order for item in tests]
-    items[:] = sorted(ordered, key=lambda item: item.get_closest_marker("runs_first") is None)
+    by_size = [item for tests in sorted(files.values(), key=len, reverse=True) for item in tests]
+    items[:] = sorted(by_size, key=lambda item: item.get_closest_marker("runs_first") is None)
