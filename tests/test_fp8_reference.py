@@ -44,6 +44,21 @@ def test_cpu_kernel_matches_reference(m, n, k, bias, dtype, seed):
     assert ((got.float() - expected.float()).abs() <= bound).all()
 
 
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 70), k=st.integers(16, 300), seed=st.integers(0, 2**16))
+def test_cpu_kernel_in_float16_does_not_overflow(m, n, k, seed):
+    """The GEMM multiplies fp8 values (up to 448 each), whose sums pass float16's 65504 long before
+    the scales bring them back: in float16 it runs in float32, so only the output's rounding to
+    float16 (2**-11 relative) differs from the reference, beyond summation order."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 4).half()
+    weight, scale = quantize_rows_fp8(torch.randn(n, k, generator=gen) * 0.05)
+    expected = fp8_linear_reference(x, weight, scale.squeeze(1), None).float()
+    got = fp8_linear_cpu(x, weight.half(), scale.squeeze(1), None)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected, rtol=2**-10, atol=1e-3)
+
+
 def test_reference_op_on_3d_input_matches_a_dequantized_matmul():
     x = torch.randn(2, 5, 32)
     weight, scale = quantize_rows_fp8(torch.randn(16, 32))

@@ -83,7 +83,7 @@ def test_reference_op_with_a_per_tensor_weight_scale_matches_a_dequantized_matmu
     t=st.integers(1, 5),
     n=st.integers(1, 140),
     k=st.integers(1, 300),
-    dtype=st.sampled_from(["bf16", "fp32"]),
+    dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
     has_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -102,6 +102,10 @@ def test_cpu_kernel_matches_reference(b, t, n, k, dtype, has_bias, seed):
     if dtype == torch.float32:
         # Same operands as the reference; only the summation order differs.
         tol = FP8_MMA_RTOL * bound
+    elif dtype == torch.float16:
+        # The sums of fp8 values pass float16's range, so the GEMM runs in float32: the order, and
+        # both sides' rounding of the result to float16.
+        tol = FP8_MMA_RTOL * bound + 2.0**-10 * expected.float().abs()
     else:
         # The GEMM's output is rounded to bf16 before scaling (half a step, 2**-9 of its sum of
         # |terms|; 2**-8 leaves room for the fp32 order), then both sides round the result.

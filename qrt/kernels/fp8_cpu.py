@@ -23,13 +23,23 @@ _lib.define(
 )
 
 
+def fp8_values_product(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """values [..., K] and weight [N, K], both holding exact fp8 values in the model dtype -> their
+    product [..., N]. Its sums reach 448 x 448 per term, past float16's largest value (65504), so
+    in float16 the GEMM runs in float32 (exact inputs, unrounded sums) instead of overflowing to
+    infinities; bf16 has float32's range."""
+    if weight.dtype == torch.float16:
+        return dense_linear(values.float(), weight.float())
+    return dense_linear(values, weight)
+
+
 def fp8_linear_cpu(x, weight, weight_scale, bias):
     """x: [..., K]; weight: [N, K] in x.dtype holding fp8 values (dense or prepacked, see
     onednn_cpu.py); weight_scale: [N] fp32."""
     x32 = x.float()
     x_scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # [..., 1]
     x_fp8_values = (x32 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(weight.dtype)
-    acc = dense_linear(x_fp8_values, weight)  # [..., N]
+    acc = fp8_values_product(x_fp8_values, weight)  # [..., N]
     out = acc.float() * x_scale * weight_scale
     if bias is not None:
         out = out + bias.float()

@@ -10,9 +10,8 @@ summation order and the rounding of its output to the model dtype.
 import torch
 
 from .choices import Kernel, declare
-from .fp8_cpu import WIDENED_FP8
+from .fp8_cpu import WIDENED_FP8, fp8_values_product
 from .fp8_static_reference import quantize_static_fp8
-from .onednn_cpu import dense_linear
 
 _lib = torch.library.Library("qrt", "FRAGMENT")
 _lib.define(
@@ -26,7 +25,7 @@ def fp8_static_linear_cpu(x, weight, weight_scale, input_scale, bias):
     onednn_cpu.py); weight_scale: [N] fp32;
     input_scale: [1] fp32."""
     x_fp8_values = quantize_static_fp8(x, input_scale).to(weight.dtype)  # [..., K]
-    acc = dense_linear(x_fp8_values, weight)  # [..., N]
+    acc = fp8_values_product(x_fp8_values, weight)  # [..., N]
     out = acc.float() * input_scale.float() * weight_scale.float()
     if bias is not None:
         out = out + bias.float()
