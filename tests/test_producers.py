@@ -11,11 +11,19 @@ cache) as the format defines, in plain torch. The runs of each variant:
 - compiled in the checkpoint's own dtype (float16, bfloat16) at tp=1: what a user runs, within
   that dtype's rounding; the 4-bit variants saved in float16 also in bfloat16, where qrt's own
   int4 CPU kernel runs them;
-- in float32 at tp=2 over two gloo ranks, compiled and eager, in one torchrun for every variant
-  one after another: row-parallel ranks quantize their part of each activation row with its own
-  range, which the reference does too; every rank's logits are equal bit for bit;
-- compiled in float32 at tp=4, where the variants whose groups of 128 a rank's part would cut are
-  refused with the reason.
+- in float32 at tp=2 over two gloo ranks, eager for every variant and compiled for one variant of
+  each kernel and architecture (TP2_COMPILED), in one torchrun one after another: row-parallel
+  ranks quantize their part of each activation row with its own range, which the reference does
+  too; every rank's logits are equal bit for bit;
+- in float32 at tp=4, eager for every variant and compiled for three (TP4_COMPILED), where the
+  variants whose groups of 128 a rank's part would cut are refused with the reason.
+
+Every rank of a compiled run traces the same graphs, so a torchrun's compiles cost the ranks
+times one process's on a machine with fewer cores than ranks (CI's two): compiling each variant
+at tp=2 and tp=4 took 19 minutes there. A variant's producer layout is read by the loader, which
+the eager runs check at both sizes; what compiling a sharded model adds (the swap pass over
+sharded weights, collectives in the graphs) depends on the kernel and the architecture, which
+the compiled selections cover.
 
 Run with `make test-producers`, which builds the kit first (its path: build.py's default, or
 $QRT_PRODUCER_KIT)."""
@@ -331,14 +339,28 @@ def test_compiled_in_bfloat16_on_qrts_int4_kernel_matches_the_producers_referenc
     assert model.compile_report() == {"prefill": 1, "decode": 1, "forward": 0}, model.compile_report()
 
 
-def run_sharded(tmp_path_factory, tp: int, modes: tuple[str, ...]) -> dict:
-    """Every built variant in float32 at `tp` ranks in each of `modes` ("compiled", "eager"), one
-    after another in one torchrun: results by "NAME MODE". A variant whose layers do not split
-    into `tp` parts is recorded as refused, with qrt's reason."""
+# The variants compiled at tp=2: one of each kernel, and the architectures (Qwen2's biases, the
+# MoE experts). The others share a kernel with one of these once loaded: AutoAWQ's and
+# llm-compressor's int4 GPTQModel's, ModelOpt's FP8 llm-compressor's, the weight-only NVFP4s and
+# bitsandbytes' other 4-bit types the 16-entry table's.
+TP2_COMPILED = {"gptqmodel-w4g128-asym", "gptqmodel-w4g128-actorder", "gptqmodel-w4g128-sym-qwen2",
+                "gptqmodel-w4g128-sym-moe", "gptqmodel-w8g128-sym", "llmc-2of4-w4a16", "llmc-fp8-static",
+                "llmc-fp8-block", "llmc-w8a8-int8", "llmc-fp8-dynamic-moe", "llmc-nvfp4", "llmc-mxfp4a16",
+                "modelopt-fp8-kv", "bnb-nf4-moe", "bnb-int8"}
+# At tp=4 a rank's parts are a quarter: act-order's regrouped int4, activations quantized per
+# token, and an MoE's experts, compiled on them.
+TP4_COMPILED = {"gptqmodel-w4g128-actorder", "llmc-nvfp4", "llmc-fp8-dynamic-moe"}
+
+
+def run_sharded(tmp_path_factory, tp: int, compiled: set[str]) -> dict:
+    """Every built variant in float32 at `tp` ranks, eagerly, and those in `compiled` compiled too,
+    one after another in one torchrun: results by "NAME MODE" (MODE "eager" or "compiled"). A
+    variant whose layers do not split into `tp` parts is recorded as refused, with qrt's reason."""
     names = [name for name in VARIANTS if name in kit()["built"]]
+    runs = [(name, mode) for name in names for mode in ("compiled", "eager") if mode == "eager" or name in compiled]
     jobs = [dict(name=f"{name} {mode}", path=str(kit_folder() / name), compile=mode == "compiled", dtype="float32",
                  forward=False, ids=[IDS], prompt=IDS[:PREFILL], steps=4, max_seq_len=64, may_refuse=True,
-                 teacher_forced=dict(ids=IDS, prefill=PREFILL)) for name in names for mode in modes]
+                 teacher_forced=dict(ids=IDS, prefill=PREFILL)) for name, mode in runs]
     folder = tmp_path_factory.mktemp(f"producers-tp{tp}")
     (folder / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -350,12 +372,12 @@ def run_sharded(tmp_path_factory, tp: int, modes: tuple[str, ...]) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded_in_two(tmp_path_factory):
-    return run_sharded(tmp_path_factory, 2, ("compiled", "eager"))
+    return run_sharded(tmp_path_factory, 2, TP2_COMPILED)
 
 
 @pytest.fixture(scope="module")
 def sharded_in_four(tmp_path_factory):
-    return run_sharded(tmp_path_factory, 4, ("compiled",))
+    return run_sharded(tmp_path_factory, 4, TP4_COMPILED)
 
 
 def check_sharded(name: str, tp: int, got: dict, compiled: bool) -> None:
@@ -375,10 +397,15 @@ def check_sharded(name: str, tp: int, got: dict, compiled: bool) -> None:
 # its tests stay in one worker (`make test-producers` deals out groups), and start first.
 @pytest.mark.xdist_group("tp2")
 @pytest.mark.runs_first
-@pytest.mark.parametrize("mode", ["compiled", "eager"])
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name,mode", [(name, mode) for name in VARIANTS for mode in ("compiled", "eager")
+                                       if mode == "eager" or name in TP2_COMPILED])
 def test_float32_at_tp2_matches_the_producers_reference(name, mode, sharded_in_two):
     check_sharded(name, 2, sharded_in_two[f"{name} {mode}"], compiled=mode == "compiled")
+
+
+def test_the_compiled_selections_name_variants():
+    assert TP2_COMPILED <= set(VARIANTS) and TP4_COMPILED <= SPLIT_IN_FOUR, (TP2_COMPILED - set(VARIANTS),
+                                                                            TP4_COMPILED - SPLIT_IN_FOUR)
 
 
 # At tp=4 each rank holds 2 of the bases' 8 heads and 1 of their 4 KV heads, but o_proj's 64 and
@@ -397,11 +424,12 @@ SPLIT_IN_FOUR = {"gptqmodel-w4g128-actorder", "llmc-fp8-static", "llmc-fp8-dynam
 
 @pytest.mark.xdist_group("tp4")
 @pytest.mark.runs_first
-@pytest.mark.parametrize("name", VARIANTS)
-def test_compiled_float32_at_tp4_matches_the_producers_reference_or_is_refused(name, sharded_in_four):
-    got = sharded_in_four[f"{name} compiled"]
+@pytest.mark.parametrize("name,mode", [(name, mode) for name in VARIANTS for mode in ("compiled", "eager")
+                                       if mode == "eager" or name in TP4_COMPILED])
+def test_float32_at_tp4_matches_the_producers_reference_or_is_refused(name, mode, sharded_in_four):
+    got = sharded_in_four[f"{name} {mode}"]
     if name in SPLIT_IN_FOUR:
-        check_sharded(name, 4, got, compiled=True)
+        check_sharded(name, 4, got, compiled=mode == "compiled")
     else:
         assert got["refused"] and re.search(r"input (features|channels).*(128 input features per entry|multiple of "
                                             r"group_size=128)", got["refused"]), got["refused"]
