@@ -352,12 +352,16 @@ TP2_COMPILED = {"gptqmodel-w4g128-asym", "gptqmodel-w4g128-actorder", "gptqmodel
 TP4_COMPILED = {"gptqmodel-w4g128-actorder", "llmc-nvfp4", "llmc-fp8-dynamic-moe"}
 
 
+def sharded_runs(compiled: set[str]) -> list[tuple[str, str]]:
+    """(variant, mode) of a sharded run: every variant eagerly, those in `compiled` compiled too."""
+    return [(name, mode) for name in VARIANTS for mode in ("compiled", "eager") if mode == "eager" or name in compiled]
+
+
 def run_sharded(tmp_path_factory, tp: int, compiled: set[str]) -> dict:
     """Every built variant in float32 at `tp` ranks, eagerly, and those in `compiled` compiled too,
     one after another in one torchrun: results by "NAME MODE" (MODE "eager" or "compiled"). A
     variant whose layers do not split into `tp` parts is recorded as refused, with qrt's reason."""
-    names = [name for name in VARIANTS if name in kit()["built"]]
-    runs = [(name, mode) for name in names for mode in ("compiled", "eager") if mode == "eager" or name in compiled]
+    runs = [(name, mode) for name, mode in sharded_runs(compiled) if name in kit()["built"]]
     jobs = [dict(name=f"{name} {mode}", path=str(kit_folder() / name), compile=mode == "compiled", dtype="float32",
                  forward=False, ids=[IDS], prompt=IDS[:PREFILL], steps=4, max_seq_len=64, may_refuse=True,
                  teacher_forced=dict(ids=IDS, prefill=PREFILL)) for name, mode in runs]
@@ -397,8 +401,7 @@ def check_sharded(name: str, tp: int, got: dict, compiled: bool) -> None:
 # its tests stay in one worker (`make test-producers` deals out groups), and start first.
 @pytest.mark.xdist_group("tp2")
 @pytest.mark.runs_first
-@pytest.mark.parametrize("name,mode", [(name, mode) for name in VARIANTS for mode in ("compiled", "eager")
-                                       if mode == "eager" or name in TP2_COMPILED])
+@pytest.mark.parametrize("name,mode", sharded_runs(TP2_COMPILED))
 def test_float32_at_tp2_matches_the_producers_reference(name, mode, sharded_in_two):
     check_sharded(name, 2, sharded_in_two[f"{name} {mode}"], compiled=mode == "compiled")
 
@@ -424,8 +427,7 @@ SPLIT_IN_FOUR = {"gptqmodel-w4g128-actorder", "llmc-fp8-static", "llmc-fp8-dynam
 
 @pytest.mark.xdist_group("tp4")
 @pytest.mark.runs_first
-@pytest.mark.parametrize("name,mode", [(name, mode) for name in VARIANTS for mode in ("compiled", "eager")
-                                       if mode == "eager" or name in TP4_COMPILED])
+@pytest.mark.parametrize("name,mode", sharded_runs(TP4_COMPILED))
 def test_float32_at_tp4_matches_the_producers_reference_or_is_refused(name, mode, sharded_in_four):
     got = sharded_in_four[f"{name} {mode}"]
     if name in SPLIT_IN_FOUR:

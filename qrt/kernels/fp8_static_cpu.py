@@ -4,7 +4,8 @@ model dtype (exact fp8 values, as in fp8_cpu.py).
 
 CompositeImplicitAutograd, so under torch.compile Inductor fuses the activation quantization and
 the rescaling around one GEMM in the model dtype. Numerics equal the reference's up to the GEMM's
-summation order and the rounding of its output to the model dtype.
+summation order and the rounding of its output to the model dtype (in float16 the GEMM itself runs in
+float32: fp8_cpu.fp8_values_product).
 """
 
 import torch
