@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .bf16_native_cpu import bf16_pairs_linear
+from .widened_cpu import widens
 from .pair_layout import is_pair_packed
 from .choices import Kernel, declare
 from .layouts import Layout, NamedLayout, Packed
@@ -89,17 +90,19 @@ def _(x, carrier, bias):
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ (+ b) for a dense weight [N, K], a prepacked carrier of one, or one packed in pairs for
-    qrt's bf16 kernel (bf16_native_cpu.py)."""
+    qrt's bf16 kernel (bf16_native_cpu.py); many rows of bf16 or fp16 in float32 on CPUs without
+    bf16 arithmetic (widened_cpu.py)."""
     if is_pair_packed(weight):
         return bf16_pairs_linear(x, weight, bias)
     if is_prepacked(weight):
         return torch.ops.qrt.onednn_linear(x, weight, bias)
+    product = torch.ops.qrt.widened_linear(x, weight) if widens(x, weight) else F.linear(x, weight)
     if bias is None:
-        return F.linear(x, weight)
+        return product
     # The bias added apart: inside a nested compile region, torch 2.13 replays F.linear with a
     # bias under functionalization through a path that reads the input's sizes as ints, which
     # turns a dynamic sequence length into a constant (a ConstraintViolationError).
-    return F.linear(x, weight) + bias
+    return product + bias
 
 
 class DenseLayout(Layout):
