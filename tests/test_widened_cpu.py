@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qrt.kernels.widened_cpu import MIN_ROWS_WIDENED
+from qrt.kernels.widened_cpu import MIN_ROWS_WIDENED, widened_products
 
 widened_product = torch.ops.qrt.widened_linear
 
@@ -19,7 +19,8 @@ def _inputs(rows: int, dtype: torch.dtype, seed: int, n: int = 96, k: int = 160)
 def test_matches_the_float64_product_within_one_rounding(rows, dtype):
     x, weight = _inputs(rows, dtype, seed=rows)
     exact = x.double() @ weight.double().t()  # [rows, N]
-    got = widened_product(x.view(1, rows, -1), weight).view(rows, -1)
+    with widened_products():
+        got = widened_product(x.view(1, rows, -1), weight).view(rows, -1)
     assert got.dtype == dtype
     # One rounding to the model dtype (2**-8 of the value for bf16, 2**-11 for fp16), plus the
     # float32 sum's error, bounded by K ulps of float32 on the sum of |products|.
@@ -34,10 +35,13 @@ def test_many_rows_are_computed_in_float32_and_few_in_the_model_dtype():
     # some smaller ones ATen's bf16 GEMM sums as the float32 one does).
     many_x, weight = _inputs(MIN_ROWS_WIDENED, torch.bfloat16, seed=1, n=3072, k=576)
     wide = F.linear(many_x.float(), weight.float()).bfloat16()
-    assert torch.equal(widened_product(many_x, weight), wide)
     assert not torch.equal(F.linear(many_x, weight), wide)  # else this test could not tell them apart
     few_x = many_x[:3]
-    assert torch.equal(widened_product(few_x, weight), F.linear(few_x, weight))
+    with widened_products():
+        assert torch.equal(widened_product(many_x, weight), wide)
+        assert torch.equal(widened_product(few_x, weight), F.linear(few_x, weight))
+    # Outside it (a decode step's calls): never widened.
+    assert torch.equal(widened_product(many_x, weight), F.linear(many_x, weight))
 
 
 def test_a_dynamic_row_count_chooses_per_call_in_one_compiled_graph():

@@ -10,15 +10,18 @@ From 16 rows on widening won on every shape of the default model; below 8 it los
 Numerics: products of bf16 or fp16 values are exact in float32 and summed there, then rounded
 once to the model dtype, as ATen's own GEMM in those dtypes does, in another order of summation.
 
-Where it applies:
-- a prompt graph, whose row count is dynamic: the choice is made per call inside the opaque op
-  `qrt::widened_linear_by_rows` (a guard on the size would compile a second graph for short
-  chunks). It is a Python custom op, about 30 µs a call, small beside a prompt's GEMMs;
-- never in a graph of a static row count (decode and verify): a row there must keep the bits the
-  graphs of one slot give it (graph_runner's one_slot_exact), however many slots share the call;
-- eager calls (the output layer over a scored prompt's rows), by their row count.
+Where it applies: only within `widened_products`, which graph_runner opens to trace a prompt
+graph (prefill, encode) and to run the output layer over a scored prompt's positions. There a
+dynamic row count is decided per call inside the opaque op `qrt::widened_linear_by_rows` (a guard
+on the size would compile a second graph for short chunks; a Python custom op, about 30 µs a
+call, small beside a prompt's GEMMs), a static one when traced. Decode and verify graphs never
+widen: float32 GEMMs sum in an order that depends on the row count, and a row there must keep the
+bits that the graphs of one slot and a decode step give it (graph_runner's one_slot_exact; a
+verify call's rows equal decode steps'), whatever else shares the call, including the attended
+keys' rows of latent attention and the tokens routed to one expert.
 """
 
+import contextlib
 import math
 
 import torch
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 # From this many rows on, the float32 GEMM beats the model-dtype one (see above).
 MIN_ROWS_WIDENED = 16
+_widening = False  # set by widened_products
 _WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -58,19 +62,29 @@ def _(x, weight):
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [..., K]; weight: [N, K] -> [..., N] in x's dtype (no bias: the caller adds it).
+    """x: [..., K]; weight: [N, K] -> [..., N] in x's dtype (no bias: the caller adds it); in
+    float32 for many rows, within `widened_products` only.
 
     CompositeImplicitAutograd: Dynamo records the call, and AOTAutograd traces this body with the
     graph's sizes, where a dynamic one is a SymInt (Dynamo's own tracing shows it as an int)."""
+    if not _widening:
+        return F.linear(x, weight)
     rows = math.prod(x.shape[:-1])
     if isinstance(rows, torch.SymInt):
         out = torch.ops.qrt.widened_linear_by_rows(x.reshape(-1, x.shape[-1]), weight)  # [M, N]
         return out.reshape(*x.shape[:-1], weight.shape[0])
-    if torch.compiler.is_compiling():
-        # A static row count: a decode or verify graph, whose rows must keep the bits that the
-        # graphs of one slot give them (graph_runner's one_slot_exact), however many slots it has.
-        return F.linear(x, weight)
     return _in_float32(x, weight) if rows >= MIN_ROWS_WIDENED else F.linear(x, weight)
+
+
+@contextlib.contextmanager
+def widened_products():
+    """Within it, calls run (eager) or are traced (a prompt graph's compile) to widen many rows."""
+    global _widening
+    before, _widening = _widening, True
+    try:
+        yield
+    finally:
+        _widening = before
 
 
 _lib = torch.library.Library("qrt", "FRAGMENT")

@@ -22,6 +22,7 @@ from .compile_cache import CompileCache, last_cold_compile_seconds
 from .direct_graph import DirectGraph, GraphSpec
 from .prefix_cache import PrefixCache
 from .speculative import SpeculativeConfig
+from qrt.kernels.widened_cpu import widened_products
 
 # The progress line's estimate of a cold compile when no earlier one on this device is on record.
 _FIRST_COMPILE_GUESS_S = 20
@@ -55,6 +56,8 @@ _GRAPH_INPUTS = {"prefill": ("input_ids", "positions", "keys", "slots", "logits_
                  "decode_slot": ("input_ids", "positions", "keys", "slots"),
                  "verify_slot": ("input_ids", "positions", "keys", "slots"),
                  "encode": ("input_ids",), "encode_one": ("input_ids",)}
+# The graphs of prompts, whose GEMMs may widen (widened_cpu.py).
+_PROMPT_ROLES = ("prefill", "encode", "encode_one")
 # The dims whose sizes vary between calls of a role's graph (from 2: Dynamo specializes 0 and 1).
 _DYNAMIC_DIMS = {"prefill": (("input_ids", 1), ("positions", 1), ("keys", 0)),
                  **{role: (("keys", 0),) for role in ("decode", "decode_slot", "verify", "verify_slot")},
@@ -220,7 +223,7 @@ class GraphRunner:
     def position_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The float32 logits [T, V] of final hidden states [T, D] from `prefill_chunk`: the
         model's own head (its lm_head, and any soft-cap), run outside the compiled graphs."""
-        with torch.no_grad():
+        with torch.no_grad(), widened_products():
             return self.model.logits(hidden[None])[0]
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, attended: int) -> torch.Tensor:
@@ -416,7 +419,10 @@ class GraphRunner:
         return self.decode_step(tokens, positions, position + 1)[:1].view(1, 1, -1)
 
     def _run(self, role: str, *args) -> torch.Tensor:
-        with torch.no_grad(), inductor_config.patch(self._trace_config):
+        # A prompt graph traced (on its first call) to widen its GEMMs of many rows to float32
+        # where the CPU lacks bf16 arithmetic (widened_cpu.py); decode and verify graphs never do.
+        widening = widened_products() if role in _PROMPT_ROLES else contextlib.nullcontext()
+        with torch.no_grad(), inductor_config.patch(self._trace_config), widening:
             return self.graph_functions[role](self.model, *args)
 
     def warmup(self) -> None:
