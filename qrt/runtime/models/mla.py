@@ -83,6 +83,7 @@ class LatentAttention(nn.Module):
         if mla.rope_interleaved:
             q_rot, k_rot = halves_from_pairs(q_rot), halves_from_pairs(k_rot)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+        in_place = positions is not None and (slots is None or slots.dim() == 2)  # decode, or a speculative check
         if positions is not None:
             attended = mask.shape[-1]
             slots = batch_rows(slots)  # latent attention reads the cache out in every case
@@ -95,8 +96,27 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [B, H, S', *]
         k = torch.cat([k_nope, k_rot.expand(bsz, heads, keys, mla.qk_rope_head_dim)], dim=-1)  # [B, H, S', qk]
         q = torch.cat([q_nope, q_rot], dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale)  # [B, H, T, v]
+        if in_place:
+            out = attention_per_query(q, k, v, mask, self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale)  # [B, H, T, v]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, heads * mla.v_head_dim))
+
+
+def attention_per_query(q, k, v, mask, scale: float) -> torch.Tensor:
+    """q [B, H, T, qk], k [B, H, S', qk], v [B, H, S', vd], mask [B, T, S'] bool (True = may attend)
+    -> [B, H, T, vd] in q's dtype: scores, softmax and the weighted sum of V in fp32.
+
+    For decode steps and speculative checks (T = 1 and T = 1 + k). Each query's scores are a sum
+    over its own qk features and its output a sum over its own S' weights, so a query's arithmetic
+    is the same whatever T is: a check scores each place exactly as the decode step feeding that
+    token would. SDPA is not: its products are one GEMM for T > 1, which the compiler leaves to the
+    BLAS, and a reduction the compiler writes for T = 1, and the two sum in different orders."""
+    scores = (q.float().unsqueeze(3) * k.float().unsqueeze(2)).sum(-1) * scale  # [B, H, T, S']
+    allowed = mask.unsqueeze(1)  # [B, 1, T, S']
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    probs = torch.where(allowed, probs, 0.0)  # a query allowed nothing gets zeros, as SDPA gives
+    return (probs.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2).to(q.dtype)  # [B, H, T, vd]
 
 
 def cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
