@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .bf16_native_cpu import bf16_pairs_linear
-from .widened_cpu import widens
+from .widened_cpu import cpu_has_bf16_arithmetic, widens
 from .pair_layout import is_pair_packed
 from .choices import Kernel, declare
 from .layouts import Layout, NamedLayout, Packed
@@ -34,8 +34,7 @@ _PACKED: dict[int, torch.Tensor] = {}
 
 def onednn_prepack_supported(dtype: torch.dtype) -> bool:
     """oneDNN's packed bf16 linear needs the CPU's bf16 instructions (AVX-512 BF16 or AMX)."""
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.bfloat16 and cpu_has_bf16_arithmetic()
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,13 @@ _widening = False  # set by widened_products
 _WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def cpu_has_bf16_arithmetic() -> bool:
+    """Whether oneDNN has the CPU's bf16 instructions to use (AVX-512 BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 # Read once, at import: a model's traced code reads the constant (Dynamo does not trace mkldnn's query).
-_CPU_LACKS_HALF_ARITHMETIC = not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+_CPU_LACKS_HALF_ARITHMETIC = not cpu_has_bf16_arithmetic()
 
 
 def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -16,13 +16,13 @@ import torch
 from torch._inductor import config as inductor_config
 from torch.compiler._cache import CacheArtifactManager
 
+from qrt.kernels.widened_cpu import widened_products
 from qrt.passes.backend import QrtBackend, aot_supported, load_artifact
 
 from .compile_cache import CompileCache, last_cold_compile_seconds
 from .direct_graph import DirectGraph, GraphSpec
 from .prefix_cache import PrefixCache
 from .speculative import SpeculativeConfig
-from qrt.kernels.widened_cpu import widened_products
 
 # The progress line's estimate of a cold compile when no earlier one on this device is on record.
 _FIRST_COMPILE_GUESS_S = 20

@@ -309,7 +309,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if positions is not None and (slots is None or slots.dim() == 2):  # decode, or a speculative check
+        if attends_in_place(positions, slots):
             return self.o_proj(self._in_place_attention(q, k, v, positions, slots))
         if positions is not None:
             attended = mask.shape[-1]  # S': the cache entries this call attends over
@@ -350,6 +350,12 @@ def write_cache(cache, new, positions, slots) -> None:
     if cache.dtype == torch.float8_e4m3fn:
         storage, values = cache.view(torch.uint8), values.view(torch.uint8)
     storage.view(rows * heads * length, hd).index_copy_(0, flat.reshape(-1), values)
+
+
+def attends_in_place(positions, slots) -> bool:
+    """Whether Attention.forward's call is a decode step or a speculative check (slots None, or
+    each token's [B, T]), rather than a prompt chunk (slots [B]) or a call without a cache."""
+    return positions is not None and (slots is None or slots.dim() == 2)
 
 
 def batch_rows(slots):

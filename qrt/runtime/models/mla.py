@@ -23,7 +23,7 @@ from qrt.errors import UnsupportedError
 from qrt.layers.linear import Linear
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, batch_rows, read_cache, write_cache
+from .layers import RMSNorm, apply_rope, attends_in_place, batch_rows, read_cache, write_cache
 
 
 def halves_from_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ class LatentAttention(nn.Module):
         if mla.rope_interleaved:
             q_rot, k_rot = halves_from_pairs(q_rot), halves_from_pairs(k_rot)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
-        in_place = positions is not None and (slots is None or slots.dim() == 2)  # decode, or a speculative check
+        in_place = attends_in_place(positions, slots)
         if positions is not None:
             attended = mask.shape[-1]
             slots = batch_rows(slots)  # latent attention reads the cache out in every case
